@@ -1,0 +1,1 @@
+"""Prefect flows over mergecore, and the `ckptflow` command line (flows.cli)."""

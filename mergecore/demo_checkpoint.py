@@ -1,0 +1,558 @@
+"""Write a small but real verl-format FSDP checkpoint for tests and demos.
+
+The checkpoint is produced the way verl's ``FSDPCheckpointManager`` produces one:
+a tiny Hugging Face model is built from a seeded init on every rank, wrapped with
+FSDP (FSDP2 ``fully_shard`` on a 1-D or 2-D mesh, or FSDP1 with or without a
+device mesh), trained for one AdamW step on a fixed random batch, and then every
+rank ``torch.save``s its sharded model state dict, its optimizer state dict and an
+"extra state" dict (lr scheduler + RNG states).  The processes are real
+``torch.distributed`` processes (gloo on CPU, started with the ``spawn`` method).
+
+Layout written under ``out_dir`` (the run root)::
+
+    latest_checkpointed_iteration.txt          -> "{step}"
+    global_step_{step}/{actor|critic}/
+        model_world_size_{W}_rank_{R}.pt
+        optim_world_size_{W}_rank_{R}.pt
+        extra_state_world_size_{W}_rank_{R}.pt
+        fsdp_config.json                       -> {"FSDP_version": 1|2, "world_size": W}
+        huggingface/                           -> config.json, generation_config.json, tokenizer files
+    reference/                                 -> save_pretrained() of the full trained model (fp32) + tokenizer
+
+``reference/`` is not part of a verl checkpoint: it is the ground truth a merger's
+output can be compared with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import socket
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DemoSpec", "DemoCheckpoint", "DemoCheckpointError", "write_demo_checkpoint"]
+
+ARCHS = ("qwen2", "llama", "critic")
+MODES = ("fsdp2", "hsdp", "fsdp1_mesh", "fsdp1", "single")
+CONFIG_DTYPES = ("bfloat16", "float16", "float32")
+
+# Special tokens of the tiny tokenizer (ids 0, 1, 2 in this order).
+_PAD_TOKEN = "<|endoftext|>"
+_BOS_TOKEN = "<|endoftext|>"
+_IM_START = "<|im_start|>"
+_EOS_TOKEN = "<|im_end|>"
+_SPECIAL_TOKENS = [_PAD_TOKEN, _IM_START, _EOS_TOKEN]
+_UNK_TOKEN = "<unk>"  # only for the word-level fallback tokenizer
+
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A checkpoint holds the weights of a model at one training step.",
+    "Fully sharded data parallel splits every parameter across ranks.",
+    "Merging the shards gives back the full tensors of the model.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "Reinforcement learning from human feedback trains an actor and a critic.",
+    "The tokenizer turns text into ids and the model turns ids into logits.",
+    "Numbers like 0 1 2 3 4 5 6 7 8 9 10 100 1000 appear in text too.",
+    "user: what is two plus two? assistant: two plus two is four.",
+    "Small models are fast to train, save and load in unit tests.",
+]
+
+_LR = 1e-3
+_WEIGHT_DECAY = 0.01
+_BATCH_SIZE = 2
+_SEQ_LEN = 16
+
+
+class DemoCheckpointError(RuntimeError):
+    """A worker process failed while writing the demo checkpoint."""
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    arch: str = "qwen2"
+    mode: str = "fsdp2"
+    world_size: int = 2
+    tie_word_embeddings: bool = False
+    shard_placement_fn: bool = False
+    vocab_size: int = 1001
+    hidden_size: int = 64
+    intermediate_size: int = 160
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None
+    config_dtype: str = "bfloat16"
+    step: int = 1
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DemoCheckpoint:
+    run_root: Path
+    role_dir: Path
+    reference_dir: Path
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _validate(spec: DemoSpec) -> None:
+    if spec.arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {spec.arch!r}")
+    if spec.mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {spec.mode!r}")
+    if spec.config_dtype not in CONFIG_DTYPES:
+        raise ValueError(f"config_dtype must be one of {CONFIG_DTYPES}, got {spec.config_dtype!r}")
+    if spec.world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {spec.world_size}")
+    if spec.mode == "single" and spec.world_size != 1:
+        raise ValueError(f"mode 'single' needs world_size=1, got {spec.world_size}")
+    if spec.mode == "hsdp" and (spec.world_size < 4 or spec.world_size % 2):
+        raise ValueError(
+            f"mode 'hsdp' uses a (ddp=2, fsdp=W//2) mesh and needs an even world_size >= 4, got {spec.world_size}"
+        )
+    if spec.shard_placement_fn and spec.mode not in ("fsdp2", "hsdp"):
+        raise ValueError("shard_placement_fn is only meaningful for modes 'fsdp2' and 'hsdp'")
+    if spec.step < 0:
+        raise ValueError(f"step must be >= 0, got {spec.step}")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads"):
+        if getattr(spec, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(spec, name)}")
+    if spec.vocab_size < 16:
+        raise ValueError(f"vocab_size must be >= 16 (room for the tokenizer), got {spec.vocab_size}")
+    if spec.num_attention_heads % spec.num_key_value_heads:
+        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+    if spec.head_dim is None and spec.hidden_size % spec.num_attention_heads:
+        raise ValueError("hidden_size must be divisible by num_attention_heads (or give head_dim)")
+    if spec.head_dim is not None and (spec.head_dim < 2 or spec.head_dim % 2):
+        raise ValueError(f"head_dim must be an even number >= 2 (rotary embeddings), got {spec.head_dim}")
+
+
+def _role(spec: DemoSpec) -> str:
+    return "critic" if spec.arch == "critic" else "actor"
+
+
+def _fsdp_version(spec: DemoSpec) -> int:
+    # "single" stands for an FSDP1 run whose state dict came out as plain tensors.
+    return 2 if spec.mode in ("fsdp2", "hsdp") else 1
+
+
+# --------------------------------------------------------------------------- HF side (parent)
+
+
+def _build_tokenizer(vocab_size: int):
+    """A tiny real tokenizer, deterministic, with at most ``vocab_size`` entries."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    target = min(vocab_size, 512)
+    byte_alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if target >= len(byte_alphabet) + len(_SPECIAL_TOKENS) + 8:
+        # Byte-level BPE, like Qwen2/Llama-3 tokenizers.
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+        trainer = trainers.BpeTrainer(
+            vocab_size=target,
+            special_tokens=list(_SPECIAL_TOKENS),
+            initial_alphabet=sorted(byte_alphabet),
+            show_progress=False,
+        )
+        tok.train_from_iterator(_CORPUS, trainer=trainer)
+        unk = None
+    else:
+        # Too small for 256 byte symbols: word-level vocabulary, most frequent words first.
+        tok = Tokenizer(models.WordLevel(unk_token=_UNK_TOKEN))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        trainer = trainers.WordLevelTrainer(
+            vocab_size=target,
+            special_tokens=list(_SPECIAL_TOKENS) + [_UNK_TOKEN],
+            show_progress=False,
+        )
+        tok.train_from_iterator(_CORPUS, trainer=trainer)
+        unk = _UNK_TOKEN
+    if tok.get_vocab_size(with_added_tokens=True) > vocab_size:  # pragma: no cover - guarded above
+        raise AssertionError("tokenizer vocabulary larger than the model's")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=_BOS_TOKEN,
+        eos_token=_EOS_TOKEN,
+        pad_token=_PAD_TOKEN,
+        unk_token=unk,
+        chat_template=_CHAT_TEMPLATE,
+        model_max_length=128,
+        padding_side="left",
+    )
+
+
+def _build_config(spec: DemoSpec, tokenizer):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common: dict[str, Any] = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=128,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype=spec.config_dtype,
+    )
+    if spec.head_dim is not None:
+        common["head_dim"] = spec.head_dim
+    if spec.arch == "llama":
+        config = LlamaConfig(**common)
+        config.architectures = ["LlamaForCausalLM"]
+    elif spec.arch == "qwen2":
+        config = Qwen2Config(**common)
+        config.architectures = ["Qwen2ForCausalLM"]
+    else:  # critic: value head on a Qwen2 body, as verl builds it
+        config = Qwen2Config(num_labels=1, **common)
+        config.architectures = ["Qwen2ForTokenClassification"]
+    if spec.head_dim is not None:
+        config.head_dim = spec.head_dim
+    return config
+
+
+def _model_class(arch: str):
+    if arch == "llama":
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM
+    if arch == "qwen2":
+        from transformers import Qwen2ForCausalLM
+
+        return Qwen2ForCausalLM
+    from transformers import Qwen2ForTokenClassification
+
+    return Qwen2ForTokenClassification
+
+
+def _write_hf_dir(spec: DemoSpec, hf_dir: Path, tokenizer) -> None:
+    config = _build_config(spec, tokenizer)
+    config.save_pretrained(hf_dir)
+    # transformers 5 writes "dtype"; checkpoints made with transformers 4 carry "torch_dtype".
+    # Write both so readers of either generation find the base model's dtype.
+    cfg_path = hf_dir / "config.json"
+    data = json.loads(cfg_path.read_text())
+    data["dtype"] = spec.config_dtype
+    data["torch_dtype"] = spec.config_dtype
+    cfg_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    if spec.arch != "critic":
+        from transformers import GenerationConfig
+
+        GenerationConfig(
+            bos_token_id=config.bos_token_id,
+            eos_token_id=config.eos_token_id,
+            pad_token_id=config.pad_token_id,
+            do_sample=True,
+            temperature=0.7,
+            top_p=0.8,
+        ).save_pretrained(hf_dir)
+    tokenizer.save_pretrained(hf_dir)
+
+
+# --------------------------------------------------------------------------- training (every rank)
+
+
+def _placement_fn(fsdp_size: int):
+    from torch.distributed.tensor import Shard
+
+    def choose(param) -> Shard:
+        if param.dim() == 0 or param.shape[0] % fsdp_size == 0:
+            return Shard(0)
+        if param.dim() > 1 and param.shape[1] % fsdp_size == 0:
+            return Shard(1)
+        return Shard(0)
+
+    return choose
+
+
+def _decoder_layer_class(model):
+    return type(model.model.layers[0])
+
+
+def _wrap_fsdp2(model, spec: DemoSpec, world_size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if spec.mode == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("ddp", "fsdp"))
+        fsdp_size = world_size // 2
+    else:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
+        fsdp_size = world_size
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": True}
+    if spec.shard_placement_fn:
+        kwargs["shard_placement_fn"] = _placement_fn(fsdp_size)
+    # Like verl: every decoder layer (and an untied input embedding) is its own unit, then the root.
+    units = list(model.model.layers)
+    if not model.config.tie_word_embeddings:
+        units.insert(0, model.model.embed_tokens)
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _wrap_fsdp1(model, spec: DemoSpec, world_size: int):
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    kwargs: dict[str, Any] = dict(
+        # FSDP1 refuses to pick CPU by itself ("needs a non-CPU accelerator"); naming it works with gloo.
+        device_id=torch.device("cpu"),
+        auto_wrap_policy=ModuleWrapPolicy({_decoder_layer_class(model)}),
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        use_orig_params=True,
+        sync_module_states=False,  # every rank starts from the same seeded init
+    )
+    if spec.mode == "fsdp1_mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kwargs["device_mesh"] = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
+    return FSDP(model, **kwargs)
+
+
+def _rng_state() -> dict[str, Any]:
+    import torch
+
+    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "random": random.getstate()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    return state
+
+
+def _train_and_save(rank: int, world_size: int, spec: DemoSpec, role_dir: Path, reference_dir: Path) -> None:
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+    hf_dir = role_dir / "huggingface"
+    config = AutoConfig.from_pretrained(hf_dir)
+    cls = _model_class(spec.arch)
+
+    # Seeded init, identical on every rank; parameters stay fp32 (the config's dtype is only metadata).
+    torch.manual_seed(spec.seed)
+    model = cls(config).to(torch.float32)
+    model.train()
+
+    if spec.mode in ("fsdp2", "hsdp"):
+        model = _wrap_fsdp2(model, spec, world_size)
+    elif spec.mode in ("fsdp1", "fsdp1_mesh"):
+        model = _wrap_fsdp1(model, spec, world_size)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=_LR, betas=(0.9, 0.999), weight_decay=_WEIGHT_DECAY)
+    warmup_steps = 1
+
+    def lr_lambda(current_step: int) -> float:  # constant with (trivial) warmup, like verl's default
+        return min(1.0, float(current_step + 1) / warmup_steps)
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+
+    # Data parallel: every rank gets its own fixed batch.
+    gen = torch.Generator().manual_seed(spec.seed * 7919 + 1000 + rank)
+    input_ids = torch.randint(0, spec.vocab_size, (_BATCH_SIZE, _SEQ_LEN), generator=gen)
+    attention_mask = torch.ones_like(input_ids)
+    if spec.arch == "critic":
+        target = torch.randn(_BATCH_SIZE, _SEQ_LEN, generator=gen)
+        values = model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1)
+        loss = F.mse_loss(values.float(), target)
+    else:
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids).loss
+    loss.backward()  # FSDP reduce-scatters (averages) the gradients across ranks here
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    # ---- what verl's FSDPCheckpointManager.save_checkpoint writes, per rank
+    suffix = f"world_size_{world_size}_rank_{rank}.pt"
+    if spec.mode in ("fsdp1", "fsdp1_mesh"):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+
+        with FSDP.state_dict_type(
+            model,
+            StateDictType.SHARDED_STATE_DICT,
+            ShardedStateDictConfig(offload_to_cpu=True),
+            ShardedOptimStateDictConfig(offload_to_cpu=True),
+        ):
+            model_sd = model.state_dict()
+            optim_sd = optimizer.state_dict()
+    else:
+        model_sd = model.state_dict()
+        optim_sd = optimizer.state_dict()
+    extra = {"lr_scheduler": scheduler.state_dict(), "rng": _rng_state()}
+    torch.save(model_sd, role_dir / f"model_{suffix}")
+    torch.save(optim_sd, role_dir / f"optim_{suffix}")
+    torch.save(extra, role_dir / f"extra_state_{suffix}")
+    del model_sd, optim_sd
+
+    # ---- reference: the full trained model, gathered on rank 0
+    if spec.mode == "single":
+        full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # FSDP1 + cpu_offload segfaults when the parameters already live on the CPU (the clone in its
+        # full-state-dict hook reads freed memory); without offload every rank gets the full dict, which
+        # is harmless for a tiny model.
+        offload = spec.mode not in ("fsdp1", "fsdp1_mesh")
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+    if rank == 0:
+        fresh = cls(config).to(torch.float32)  # tiny: a real init is cheaper than meta + buffer fix-ups
+        fresh.load_state_dict(full, strict=True)
+        fresh.save_pretrained(reference_dir)
+        (role_dir / "fsdp_config.json").write_text(
+            json.dumps({"FSDP_version": _fsdp_version(spec), "world_size": world_size}, indent=4) + "\n"
+        )
+
+
+def _worker(rank: int, world_size: int, port: int, spec_dict: dict, role_dir: str, reference_dir: str) -> None:
+    """Entry point of one spawned rank (module level so that spawn can import it)."""
+    import faulthandler
+
+    import torch
+    import torch.distributed as dist
+
+    faulthandler.enable()  # a crash in native code still tells the parent where it happened
+    # Deprecation noise of the FSDP1/ShardedTensor APIs we use on purpose (verl uses them too).
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.")
+    warnings.filterwarnings("ignore", message=r".*returned a view tensor.*", category=UserWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.fsdp\._shard_utils")
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"] = str(rank)
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+    dist.init_process_group(
+        backend="gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=120),
+    )
+    try:
+        _train_and_save(rank, world_size, DemoSpec(**spec_dict), Path(role_dir), Path(reference_dir))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_single(spec: DemoSpec, role_dir: Path, reference_dir: Path) -> None:
+    """World size 1 without torch.distributed: run in this process, leaving its RNG and threads alone."""
+    import torch
+
+    threads = torch.get_num_threads()
+    py_state = random.getstate()
+    try:
+        torch.set_num_threads(1)
+        with torch.random.fork_rng(devices=[]):
+            _train_and_save(0, 1, spec, role_dir, reference_dir)
+    finally:
+        torch.set_num_threads(threads)
+        random.setstate(py_state)
+
+
+def _run_distributed(spec: DemoSpec, role_dir: Path, reference_dir: Path) -> None:
+    import torch.multiprocessing as tmp
+
+    port = _free_port()
+    try:
+        tmp.start_processes(
+            _worker,
+            args=(spec.world_size, port, asdict(spec), str(role_dir), str(reference_dir)),
+            nprocs=spec.world_size,
+            join=True,
+            start_method="spawn",
+        )
+    except tmp.ProcessRaisedException as exc:
+        raise DemoCheckpointError(f"demo checkpoint rank {exc.error_index} failed:\n{exc}") from None
+    except tmp.ProcessExitedException as exc:
+        raise DemoCheckpointError(f"demo checkpoint rank {exc.error_index} died: {exc}") from None
+
+
+# --------------------------------------------------------------------------- public entry point
+
+
+def write_demo_checkpoint(out_dir: str | Path, spec: DemoSpec = DemoSpec()) -> DemoCheckpoint:
+    """Write a tiny real verl FSDP checkpoint (one training step) under ``out_dir``.
+
+    ``out_dir`` becomes the run root.  Raises ``FileExistsError`` when it already holds a
+    checkpoint for this step/role or a ``reference`` folder, ``ValueError`` for an invalid
+    spec and ``DemoCheckpointError`` (with the worker's traceback) when a rank fails.
+    """
+    _validate(spec)
+    run_root = Path(out_dir).resolve()
+    role_dir = run_root / f"global_step_{spec.step}" / _role(spec)
+    reference_dir = run_root / "reference"
+    for d in (role_dir, reference_dir):
+        if d.exists() and any(d.iterdir()):
+            raise FileExistsError(f"{d} already exists and is not empty")
+    run_root.mkdir(parents=True, exist_ok=True)
+
+    # Build into a staging folder next to the result so a failed run leaves nothing half-written.
+    staging = Path(tempfile.mkdtemp(prefix=".demo_ckpt_", dir=run_root))
+    try:
+        st_role = staging / "role"
+        st_ref = staging / "reference"
+        (st_role / "huggingface").mkdir(parents=True)
+        st_ref.mkdir()
+
+        tokenizer = _build_tokenizer(spec.vocab_size)
+        _write_hf_dir(spec, st_role / "huggingface", tokenizer)
+
+        if spec.mode == "single":
+            _run_single(spec, st_role, st_ref)
+        else:
+            _run_distributed(spec, st_role, st_ref)
+        tokenizer.save_pretrained(st_ref)
+
+        role_dir.parent.mkdir(parents=True, exist_ok=True)
+        for src, dst in ((st_role, role_dir), (st_ref, reference_dir)):
+            if dst.exists():
+                dst.rmdir()  # empty (checked above)
+            os.replace(src, dst)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+    (run_root / "latest_checkpointed_iteration.txt").write_text(str(spec.step))
+    return DemoCheckpoint(run_root=run_root, role_dir=role_dir, reference_dir=reference_dir)

@@ -1,0 +1,19 @@
+"""Errors a user can act on: one line naming the file or tensor and the fix."""
+
+
+class CheckpointError(Exception):
+    """Bad input. The message is one line: what is wrong, where, and what to do.
+
+    The CLI prints it as-is and exits with code 2; nothing is written to the target.
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(message.split()))
+
+
+class VerificationError(CheckpointError):
+    """The merged output does not equal its source or reference."""
+
+    exit_code = 3

@@ -1,0 +1,74 @@
+"""Find the checkpoint behind a path and open it with the right format reader.
+
+Accepted: a role folder (`.../global_step_N/actor`), a `global_step_N` folder (role `actor` unless
+told otherwise) or a run root holding `latest_checkpointed_iteration.txt`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import CheckpointError
+from ..storage import Location
+from .base import CheckpointSource, Piece, TensorInfo
+from .fsdp import FsdpCheckpoint, has_rank_files
+
+__all__ = ["CheckpointSource", "Piece", "TensorInfo", "open_checkpoint", "find_role_folder"]
+
+STEP_FOLDER = re.compile(r"^global_step_(\d+)$")
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+
+# backend name -> (test on a folder's entry names, reader class). Megatron formats join here.
+FORMATS = {"fsdp": (has_rank_files, FsdpCheckpoint)}
+
+
+def _is_checkpoint(names: list[str]) -> bool:
+    return any(test(names) for test, _ in FORMATS.values())
+
+
+def find_role_folder(location: Location, role: str = "actor") -> tuple[Location, int | None]:
+    """Resolve a run root / step folder / role folder to the role folder and its step."""
+    names = location.listdir()
+    if not names and not location.exists():
+        raise CheckpointError(f"{location}: does not exist; check the path (local path or fsspec URL)")
+    step_match = STEP_FOLDER.match(location.name)
+    if _is_checkpoint(names):
+        parent = STEP_FOLDER.match(location.parent.name)
+        return location, int(parent[1]) if parent else None
+    if step_match:
+        if role not in names:
+            raise CheckpointError(f"{location}: has no {role}/ folder (found: {', '.join(names) or 'nothing'}); pass --role")
+        return location.join(role), int(step_match[1])
+    if LATEST_FILE in names:
+        text = location.join(LATEST_FILE).read_text().strip()
+        if not text.isdigit():
+            raise CheckpointError(f"{location.join(LATEST_FILE)}: holds {text!r}, not a step number")
+        return find_role_folder(location.join(f"global_step_{text}"), role)
+    steps = sorted((int(m[1]), n) for n in names if (m := STEP_FOLDER.match(n)))
+    if steps:
+        return find_role_folder(location.join(steps[-1][1]), role)
+    raise CheckpointError(
+        f"{location}: no checkpoint found (expected model_world_size_W_rank_R.pt files, global_step_N folders "
+        f"or {LATEST_FILE}); point --local_dir at the actor folder of a verl checkpoint"
+    )
+
+
+def open_checkpoint(
+    path: str | Location, role: str = "actor", backend: str = "auto", hf_dir: str | None = None
+) -> CheckpointSource:
+    """Discover a checkpoint and return its reader; nothing heavy is read yet.
+
+    >>> ckpt = open_checkpoint("checkpoints/run1", role="actor")  # doctest: +SKIP
+    >>> ckpt.describe()["world_size"]                               # doctest: +SKIP
+    4
+    """
+    folder, step = find_role_folder(Location.of(path), role)
+    names = folder.listdir()
+    candidates = FORMATS if backend == "auto" else {backend: FORMATS.get(backend)}
+    for name, entry in candidates.items():
+        if entry is None:
+            raise CheckpointError(f"--backend {backend} is not supported; use one of: auto, {', '.join(FORMATS)}")
+        test, reader = entry
+        if test(names):
+            return reader(folder, Location.of(hf_dir) if hf_dir else None, step=step)
+    raise CheckpointError(f"{folder}: is not a {backend} checkpoint; try --backend auto")

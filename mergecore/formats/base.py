@@ -1,0 +1,87 @@
+"""The seam every checkpoint format implements: discover -> describe tensors -> read slices.
+
+A format module turns "a folder of training pieces" into global tensors under Hugging Face names.
+Everything downstream (planning, writing, verification, the pipeline) only sees this interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..storage import Location
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A global tensor as training saved it: HF name, global shape, source dtype, how it was split."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    layout: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for size in self.shape:
+            n *= size
+        return n
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One rank's slice of a global tensor: where it sits (offsets/sizes) and its values."""
+
+    source: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    tensor: torch.Tensor
+    primary: bool = True  # False for replicas (HSDP): only checked, never needed to merge
+
+    @property
+    def index(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
+
+
+class CheckpointSource(ABC):
+    """A discovered checkpoint. Subclasses: one per format (FSDP, Megatron legacy, dist_ckpt)."""
+
+    format_name: str
+    location: Location
+    hf_dir: Location | None
+
+    @abstractmethod
+    def describe(self) -> dict:
+        """Plain facts for reports and the manifest: format, step, role, world size, mesh..."""
+
+    @abstractmethod
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Every global tensor, in the order training saved them."""
+
+    @abstractmethod
+    def validate(self, check_replicas: bool = False) -> None:
+        """Raise CheckpointError on anything inconsistent, before any output is written."""
+
+    @abstractmethod
+    def pieces(self, name: str) -> Iterator[Piece]:
+        """Every saved slice of `name`, replicas included (they are checked, not merged)."""
+
+    @abstractmethod
+    def input_files(self) -> list[Location]:
+        """The files merging reads (cache keys are built from their fingerprints)."""
+
+    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The global tensor `name`, assembled from its primary pieces and cast to `dtype`.
+
+        Only this tensor's bytes are touched: pieces are views into mmapped files.
+        """
+        info = self.tensors()[name]
+        out = torch.empty(info.shape, dtype=dtype or getattr(torch, info.dtype))
+        for piece in self.pieces(name):
+            if piece.primary:
+                out[piece.index].copy_(piece.tensor)
+        return out

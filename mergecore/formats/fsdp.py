@@ -1,0 +1,299 @@
+"""verl FSDP checkpoints: one `model_world_size_W_rank_R.pt` per rank.
+
+Values per rank, by how training was wrapped (see shared/FACTS.md):
+FSDP2 / FSDP1-with-mesh -> DTensor (Shard(d) on a 1-D mesh, or (Replicate(), Shard(0)) for HSDP);
+FSDP1 without a mesh -> ShardedTensor; a single GPU -> plain tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import re
+from collections.abc import Iterator
+from functools import cached_property
+
+import torch
+
+from ..errors import CheckpointError
+from ..storage import Location
+from .base import CheckpointSource, Piece, TensorInfo
+from .safe_unpickle import ShardedTensorRecord, load_restricted
+
+RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+
+# Unpickling a DeviceMesh without process groups logs a warning per tensor; it is expected here.
+logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
+
+
+def has_rank_files(names: list[str]) -> bool:
+    return any(RANK_FILE.match(n) for n in names)
+
+
+def load_rank_file(path: str, shown_as: str) -> dict:
+    """A rank's state dict with every tensor mmapped: nothing is read until it is used."""
+    import torch.distributed.tensor  # noqa: F401  (registers DTensor for weights_only loading)
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        if "sharded_tensor" not in str(err).lower():
+            raise CheckpointError(
+                f"{shown_as}: refused to unpickle ({str(err).splitlines()[0]}); "
+                "ckptflow only loads tensors, never arbitrary objects"
+            ) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise CheckpointError(
+            f"{shown_as}: cannot be read ({str(err).splitlines()[0]}); the file is truncated or not a "
+            "torch checkpoint: copy it again from where training saved it"
+        ) from None
+    try:
+        return load_restricted(path)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"{shown_as}: refused to unpickle ({err})") from None
+
+
+def chunk_span(length: int, parts: int, index: int) -> tuple[int, int]:
+    """(offset, size) of chunk `index` when `length` is split like torch.chunk; tails may be empty."""
+    if length % parts == 0:
+        size = length // parts
+        return size * index, size
+    full = -(-length // parts)
+    start = min(full * index, length)
+    return start, max(0, min(length, start + full) - start)
+
+
+def dtensor_region(shape, mesh_shape, coordinate, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where the rank at `coordinate` sits in the global tensor (DTensor's left-to-right rule)."""
+    offsets, sizes = [0] * len(shape), list(shape)
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_shard():
+            d = placement.dim
+            offset, size = chunk_span(sizes[d], mesh_shape[mesh_dim], coordinate[mesh_dim])
+            offsets[d] += offset
+            sizes[d] = size
+        elif not placement.is_replicate():
+            raise CheckpointError(f"placement {placement} is not supported (only Shard and Replicate)")
+    return tuple(offsets), tuple(sizes)
+
+
+def _placement_text(placements) -> str:
+    return "(" + ", ".join(str(p) for p in placements) + ")"
+
+
+class FsdpCheckpoint(CheckpointSource):
+    format_name = "verl-fsdp"
+
+    def __init__(self, location: Location, hf_dir: Location | None = None, step: int | None = None):
+        self.location = location
+        self.hf_dir = hf_dir if hf_dir is not None else location.join("huggingface")
+        self.step = step
+        names = location.listdir()
+        self._fsdp_config = json.loads(location.join("fsdp_config.json").read_text()) if "fsdp_config.json" in names else {}
+        self.world_size, self._rank_names = self._find_ranks(names)
+
+    def _find_ranks(self, names: list[str]) -> tuple[int, list[str]]:
+        found = {}
+        sizes = set()
+        for name in names:
+            match = RANK_FILE.match(name)
+            if match:
+                sizes.add(int(match[1]))
+                found[(int(match[1]), int(match[2]))] = name
+        if not found:
+            raise CheckpointError(
+                f"{self.location}: no model_world_size_W_rank_R.pt files; point --local_dir at the actor/critic "
+                "folder, a global_step_N folder or the run root"
+            )
+        declared = self._fsdp_config.get("world_size")
+        if declared is None and len(sizes) > 1:
+            raise CheckpointError(
+                f"{self.location}: rank files of several world sizes {sorted(sizes)}; remove the stale ones"
+            )
+        world = int(declared) if declared is not None else sizes.pop()
+        if world not in {w for w, _ in found}:
+            raise CheckpointError(
+                f"{self.location.join('fsdp_config.json')}: says world_size {world} but the rank files are for "
+                f"world size {sorted({w for w, _ in found})}; fix fsdp_config.json or the file names"
+            )
+        missing = [r for r in range(world) if (world, r) not in found]
+        if missing:
+            raise CheckpointError(
+                f"{self.location.join(f'model_world_size_{world}_rank_{missing[0]}.pt')}: missing "
+                f"({len(missing)} of {world} rank files absent); the save was incomplete: copy every rank file"
+            )
+        return world, [found[(world, r)] for r in range(world)]
+
+    # ---- reading -------------------------------------------------------------------------------
+
+    def rank_location(self, rank: int) -> Location:
+        return self.location.join(self._rank_names[rank])
+
+    @cached_property
+    def _states(self) -> list[dict]:
+        return [load_rank_file(self.rank_location(r).local_file(), str(self.rank_location(r))) for r in range(self.world_size)]
+
+    @cached_property
+    def _pieces(self) -> dict[str, list[Piece]]:
+        """Every tensor's pieces, from metadata alone (values stay mmapped)."""
+        table: dict[str, list[Piece]] = {}
+        for rank, state in enumerate(self._states):
+            shown = str(self.rank_location(rank))
+            for name, value in state.items():
+                table.setdefault(name, []).extend(self._pieces_of(name, value, rank, shown))
+        return table
+
+    def _pieces_of(self, name: str, value, rank: int, shown: str) -> list[Piece]:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):
+            mesh = value.device_mesh.mesh
+            where = (mesh == rank).nonzero()
+            if len(where) != 1:
+                raise CheckpointError(f"{shown}: tensor {name} has a device mesh {mesh.tolist()} without rank {rank}")
+            coordinate = tuple(where[0].tolist())
+            offsets, sizes = dtensor_region(value.shape, tuple(mesh.shape), coordinate, value.placements)
+            local = value.to_local()
+            if tuple(local.shape) != sizes:
+                raise CheckpointError(
+                    f"{shown}: tensor {name} holds a shard of shape {tuple(local.shape)} but {_placement_text(value.placements)} "
+                    f"on mesh {tuple(mesh.shape)} gives {sizes}; the file does not belong to this world size"
+                )
+            primary = all(c == 0 for c, p in zip(coordinate, value.placements) if p.is_replicate())
+            return [Piece(shown, offsets, sizes, local, primary)]
+        if isinstance(value, ShardedTensorRecord):
+            return [
+                Piece(shown, tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes), s.tensor)
+                for s in value.local_shards
+            ]
+        if isinstance(value, torch.Tensor):
+            return [Piece(shown, (0,) * value.dim(), tuple(value.shape), value, primary=rank == 0)]
+        raise CheckpointError(f"{shown}: entry {name} is a {type(value).__name__}, not a tensor")
+
+    @cached_property
+    def _infos(self) -> dict[str, TensorInfo]:
+        from torch.distributed.tensor import DTensor
+
+        infos = {}
+        for name, value in self._states[0].items():
+            if isinstance(value, DTensor):
+                shape, dtype = tuple(value.shape), value.dtype
+                layout = f"DTensor{_placement_text(value.placements)} mesh {tuple(value.device_mesh.mesh.shape)}"
+            elif isinstance(value, ShardedTensorRecord):
+                shape, dtype, layout = value.global_shape, value.dtype, "ShardedTensor(dim 0)"
+            else:
+                shape, dtype, layout = tuple(value.shape), value.dtype, "plain"
+            infos[name] = TensorInfo(name, shape, str(dtype).removeprefix("torch."), layout)
+        return infos
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        return self._infos
+
+    def pieces(self, name: str) -> Iterator[Piece]:
+        return iter(self._pieces[name])
+
+    def input_files(self) -> list[Location]:
+        return [self.rank_location(r) for r in range(self.world_size)]
+
+    # ---- checks --------------------------------------------------------------------------------
+
+    def validate(self, check_replicas: bool = False) -> None:
+        self._check_same_keys()
+        for name, info in self.tensors().items():
+            self._check_same_global_view(name, info)
+            self._check_tiling(name, info)
+            if check_replicas:
+                self._check_replicas(name)
+
+    def _check_same_keys(self) -> None:
+        expected = set(self._states[0])
+        for rank, state in enumerate(self._states[1:], start=1):
+            if set(state) != expected:
+                odd = sorted(set(state) ^ expected)[0]
+                where = "missing from" if odd in expected else "only in"
+                raise CheckpointError(
+                    f"{self.rank_location(rank)}: tensor {odd} is {where} this rank (rank 0 differs); "
+                    "rank files come from different saves: re-copy the checkpoint"
+                )
+
+    def _check_same_global_view(self, name: str, info: TensorInfo) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for rank, state in enumerate(self._states):
+            value = state[name]
+            if isinstance(value, ShardedTensorRecord):
+                shape, dtype = value.global_shape, value.dtype
+            else:
+                shape, dtype = tuple(value.shape), value.dtype
+            if shape != info.shape or str(dtype).removeprefix("torch.") != info.dtype:
+                raise CheckpointError(
+                    f"{self.rank_location(rank)}: tensor {name} is {tuple(shape)} {dtype} here but {info.shape} "
+                    f"{info.dtype} on rank 0; rank files come from different saves: re-copy the checkpoint"
+                )
+            if isinstance(value, DTensor):
+                layout = f"DTensor{_placement_text(value.placements)} mesh {tuple(value.device_mesh.mesh.shape)}"
+                if layout != info.layout:
+                    raise CheckpointError(
+                        f"{self.rank_location(rank)}: tensor {name} is {layout} here but {info.layout} on rank 0"
+                    )
+                if value.device_mesh.mesh.numel() != self.world_size:
+                    raise CheckpointError(
+                        f"{self.rank_location(rank)}: device mesh of {value.device_mesh.mesh.numel()} ranks in a "
+                        f"checkpoint of world size {self.world_size}; fix fsdp_config.json or the file names"
+                    )
+
+    def _check_tiling(self, name: str, info: TensorInfo) -> None:
+        """The primary pieces must cover the global tensor exactly once."""
+        primary = [p for p in self._pieces[name] if p.primary]
+        covered = 0
+        for piece in primary:
+            if tuple(piece.tensor.shape) != piece.sizes:
+                raise CheckpointError(f"{piece.source}: tensor {name} shard shape {tuple(piece.tensor.shape)} != {piece.sizes}")
+            if any(o + s > g for o, s, g in zip(piece.offsets, piece.sizes, info.shape)):
+                raise CheckpointError(f"{piece.source}: tensor {name} shard at {piece.offsets} exceeds {info.shape}")
+            volume = 1
+            for s in piece.sizes:
+                volume *= s
+            covered += volume
+        overlap = any(_overlaps(a, b) for i, a in enumerate(primary) for b in primary[i + 1:])
+        if covered != info.numel or overlap:
+            raise CheckpointError(
+                f"{self.location}: the shards of tensor {name} do not tile its global shape {info.shape} "
+                f"({covered} of {info.numel} elements{', overlapping' if overlap else ''}); a rank file is from another save"
+            )
+
+    def _check_replicas(self, name: str) -> None:
+        primary = {p.offsets: p for p in self._pieces[name] if p.primary}
+        for piece in self._pieces[name]:
+            if not piece.primary and not torch.equal(piece.tensor, primary[piece.offsets].tensor):
+                raise CheckpointError(
+                    f"{piece.source}: tensor {name} differs from the same shard on another data-parallel replica; "
+                    "the replicas diverged during training: pick the replica to trust and re-save"
+                )
+
+    def describe(self) -> dict:
+        from torch.distributed.tensor import DTensor
+
+        mesh_shape, mesh_names = [self.world_size], None
+        first = next(iter(self._states[0].values()), None)
+        if isinstance(first, DTensor):
+            mesh_shape = list(first.device_mesh.mesh.shape)
+            mesh_names = list(first.device_mesh.mesh_dim_names or [])
+        return {
+            "format": self.format_name,
+            "location": str(self.location),
+            "step": self.step,
+            "role": self.location.name,
+            "world_size": self.world_size,
+            "fsdp_version": self._fsdp_config.get("FSDP_version"),
+            "mesh_shape": mesh_shape,
+            "mesh_dim_names": mesh_names,
+            "files": [self._rank_names[r] for r in range(self.world_size)],
+        }
+
+
+def _overlaps(a: Piece, b: Piece) -> bool:
+    if 0 in a.sizes or 0 in b.sizes:
+        return False
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))

@@ -1,0 +1,35 @@
+"""A plain-data description of a checkpoint, for `ckptflow inspect` and pipeline reports."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from .formats import open_checkpoint
+from .layout import group_of
+
+
+def describe_checkpoint(path: str, role: str = "actor", backend: str = "auto") -> dict:
+    """Format facts plus tensors, bytes, dtypes and layouts per layer group (metadata only).
+
+    >>> describe_checkpoint("ckpts/run1")["checkpoint"]["world_size"]  # doctest: +SKIP
+    4
+    """
+    source = open_checkpoint(path, role=role, backend=backend)
+    groups: dict[str, dict] = {}
+    order: dict[str, tuple] = {}
+    for name, info in source.tensors().items():
+        key, group = group_of(name)
+        order[group] = key
+        entry = groups.setdefault(group, {"group": group, "tensors": 0, "bytes": 0, "dtypes": set(), "layouts": set()})
+        entry["tensors"] += 1
+        entry["bytes"] += info.numel * torch.empty((), dtype=getattr(torch, info.dtype)).element_size()
+        entry["dtypes"].add(info.dtype)
+        entry["layouts"].add(info.layout)
+    rows = [{**g, "dtypes": sorted(g["dtypes"]), "layouts": sorted(g["layouts"])}
+            for name, g in sorted(groups.items(), key=lambda item: order[item[0]])]
+    facts = source.describe()
+    facts["tensors"] = len(source.tensors())
+    facts["bytes"] = sum(g["bytes"] for g in rows)
+    return {"checkpoint": facts, "groups": rows}

@@ -1,0 +1,201 @@
+"""Merging, step by step: prepare (discover, validate, plan) -> merge groups -> finalize.
+
+Each step is one function so a pipeline can run them as separate tasks; `merge_checkpoint`
+runs them in order for the direct CLI path.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .dtypes import resolve_dtype
+from .errors import CheckpointError
+from .formats import CheckpointSource, open_checkpoint
+from .layout import EMBEDDING, OUTPUT, check_against_config, tied_embeddings
+from .plan import MergePlan, make_plan, parse_size
+from .storage import Location
+from .tensorio import bitwise_equal
+from .writer import TensorWriter, prepare_files
+
+
+@dataclass
+class Prepared:
+    """A checkpoint that passed validation, with its config and plan: nothing written yet."""
+
+    source: CheckpointSource
+    config: dict
+    plan: MergePlan
+
+
+def read_hf_config(source: CheckpointSource) -> dict:
+    """config.json from the checkpoint's `huggingface/` folder (or the folder given instead)."""
+    config_file = source.hf_dir.join("config.json") if source.hf_dir else None
+    if config_file is None or not config_file.exists():
+        raise CheckpointError(
+            f"{config_file or source.location}: no config.json; the checkpoint lacks its huggingface/ folder: "
+            "pass --hf_model_path pointing at the base model's folder"
+        )
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_file}: not valid JSON ({err}); restore it from the base model") from None
+
+
+def check_tied_embeddings(source: CheckpointSource, config: dict, requested: bool | None) -> bool:
+    """Whether the output ties embeddings; the checkpoint must agree with the config."""
+    tied = tied_embeddings(config)
+    where = source.hf_dir.join("config.json")
+    if requested is not None and requested != tied:
+        raise CheckpointError(
+            f"--tie-word-embedding {str(requested).lower()} contradicts tie_word_embeddings={str(tied).lower()} in "
+            f"{where}; drop the flag or fix the config"
+        )
+    names = source.tensors()
+    if not tied and EMBEDDING in names and OUTPUT not in names and config.get("architectures", [""])[0].endswith("CausalLM"):
+        raise CheckpointError(
+            f"{source.location}: has no {OUTPUT} but {where} says tie_word_embeddings=false; "
+            "set it to true if training tied the embeddings"
+        )
+    if tied and OUTPUT in names and EMBEDDING in names:
+        embed, head = source.read(EMBEDDING), source.read(OUTPUT)
+        if not bitwise_equal(embed, head):
+            raise CheckpointError(
+                f"{source.location}: {OUTPUT} differs from {EMBEDDING} but {where} says tie_word_embeddings=true; "
+                "set it to false (the model was trained untied)"
+            )
+    return tied
+
+
+def prepare(
+    checkpoint: str,
+    role: str = "actor",
+    backend: str = "auto",
+    hf_dir: str | None = None,
+    dtype: str = "auto",
+    max_shard_size: str | int = "5GB",
+    tie_word_embedding: bool | None = None,
+    check_replicas: bool = False,
+) -> Prepared:
+    """Discover, validate against config.json, and plan. Raises CheckpointError on bad input.
+
+    >>> prepared = prepare("ckpts/run1", dtype="bf16")   # doctest: +SKIP
+    >>> prepared.plan.files
+    ['model-00001-of-00001.safetensors']
+    """
+    source = open_checkpoint(checkpoint, role=role, backend=backend, hf_dir=hf_dir)
+    config = read_hf_config(source)
+    source.validate(check_replicas=check_replicas)
+    shapes = {name: info.shape for name, info in source.tensors().items()}
+    check_against_config(shapes, config, str(source.hf_dir.join("config.json")))
+    tied = check_tied_embeddings(source, config, tie_word_embedding)
+    plan = make_plan(str(source.location), source.tensors(), resolve_dtype(dtype, config), tied, parse_size(max_shard_size))
+    return Prepared(source, config, plan)
+
+
+def staging_folder(target: str | Path) -> Path:
+    """Where output is assembled before it is published by rename: beside the target, hidden.
+
+    Its name is fixed per target so an interrupted run can resume into it.
+    """
+    target = Path(target).absolute()
+    return target.parent / f".{target.name}.ckptflow-partial"
+
+
+def check_target(target: str | Path, overwrite: bool) -> Path:
+    location = Location.of(target)
+    if not location.is_local:
+        raise CheckpointError(f"--target_dir {target}: must be a local folder (push to the Hub with --hf_upload_path)")
+    path = Path(location.url)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
+        raise CheckpointError(f"{path}: already exists and is not empty; pass --overwrite or choose another --target_dir")
+    return path
+
+
+def merge_group(
+    source: CheckpointSource,
+    plan: MergePlan,
+    group: str,
+    staging: Path,
+    workers: int = 2,
+    on_tensor: Callable[[str], None] | None = None,
+) -> dict:
+    """Assemble every tensor of one group and write it to its place in the staging files.
+
+    Memory: at most `workers` output tensors at a time. Returns a small receipt.
+    """
+    started = time.perf_counter()
+    planned = plan.in_group(group)
+    if not planned:
+        raise CheckpointError(f"group {group!r} is not in the plan (groups: {', '.join(plan.groups)})")
+
+    def one(entry):
+        tensor = source.read(entry.name, getattr(torch, entry.dtype))
+        writer.write(entry, tensor)
+        if on_tensor:
+            on_tensor(entry.name)
+        return entry.end - entry.begin
+
+    with TensorWriter(plan, staging) as writer, ThreadPoolExecutor(max(1, workers)) as pool:
+        written = sum(pool.map(one, planned))
+    return {"group": group, "tensors": len(planned), "bytes": written, "seconds": round(time.perf_counter() - started, 3)}
+
+
+def finalize(prepared: Prepared, staging: Path, target: Path, overwrite: bool, extra: dict | None = None) -> dict:
+    """Write index, config, tokenizer files and manifest into staging, then publish to `target`."""
+    from .finalize import publish, write_metadata
+
+    manifest = write_metadata(prepared.source, prepared.config, prepared.plan, staging, extra)
+    publish(staging, target, overwrite)
+    return manifest
+
+
+def merge_checkpoint(
+    checkpoint: str,
+    target: str | Path,
+    *,
+    role: str = "actor",
+    backend: str = "auto",
+    hf_dir: str | None = None,
+    dtype: str = "auto",
+    max_shard_size: str | int = "5GB",
+    tie_word_embedding: bool | None = None,
+    overwrite: bool = False,
+    verify: bool = True,
+    check_replicas: bool = False,
+    workers: int = 2,
+    on_group: Callable[[str, dict], None] | None = None,
+    on_tensor: Callable[[str], None] | None = None,
+    prepared: Prepared | None = None,
+) -> dict:
+    """Merge a checkpoint into a verified Hugging Face folder at `target`, published atomically.
+
+    >>> manifest = merge_checkpoint("ckpts/run1", "out/model", dtype="bf16")  # doctest: +SKIP
+    >>> manifest["verification"][0]["ok"]                                      # doctest: +SKIP
+    True
+    """
+    from .verify import verify_round_trip
+
+    target_path = check_target(target, overwrite)
+    prepared = prepared or prepare(checkpoint, role, backend, hf_dir, dtype, max_shard_size, tie_word_embedding, check_replicas)
+    staging = staging_folder(target_path)
+    try:
+        prepare_files(prepared.plan, staging)
+        receipts = []
+        for group in prepared.plan.groups:
+            receipts.append(merge_group(prepared.source, prepared.plan, group, staging, workers, on_tensor))
+            if on_group:
+                on_group(group, receipts[-1])
+        checks = [verify_round_trip(prepared.source, staging, prepared.plan.aliases, workers)] if verify else []
+        return finalize(prepared, staging, target_path, overwrite, {"verification": checks, "groups_written": receipts})
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

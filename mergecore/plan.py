@@ -1,0 +1,138 @@
+"""The merge plan: which tensor goes to which output file at which byte offset.
+
+Shapes and dtypes are known before any value is read, so the plan fixes every safetensors header
+up front; groups can then be written in any order, by any worker, straight to their final bytes.
+The plan is plain data (JSON round-trips), so it can be handed to pipeline tasks as input.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .dtypes import SAFETENSORS_NAME
+from .errors import CheckpointError
+from .formats.base import TensorInfo
+from .layout import EMBEDDING, OUTPUT, group_of
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str          # output dtype, torch spelling ("bfloat16")
+    source_dtype: str
+    group: str
+    file: str
+    begin: int          # byte offsets within the file's data section (after the header)
+    end: int
+
+
+@dataclass
+class MergePlan:
+    source: str
+    dtype: str | None                   # requested output dtype; None keeps each tensor's dtype
+    groups: list[str]
+    tensors: list[PlannedTensor]
+    files: list[str]
+    aliases: dict[str, str] = field(default_factory=dict)  # dropped source name -> output name holding it
+
+    def in_group(self, group: str) -> list[PlannedTensor]:
+        return [t for t in self.tensors if t.group == group]
+
+    def in_file(self, file: str) -> list[PlannedTensor]:
+        return [t for t in self.tensors if t.file == file]
+
+    def header(self, file: str) -> bytes:
+        """The safetensors header of `file`: 8-byte little-endian length + JSON, padded to 8 bytes."""
+        entries = {"__metadata__": {"format": "pt"}}
+        for t in self.in_file(file):
+            entries[t.name] = {"dtype": SAFETENSORS_NAME[getattr(torch, t.dtype)], "shape": list(t.shape),
+                               "data_offsets": [t.begin, t.end]}
+        text = json.dumps(entries, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        return len(text).to_bytes(8, "little") + text
+
+    def file_size(self, file: str) -> int:
+        return len(self.header(file)) + max((t.end for t in self.in_file(file)), default=0)
+
+    def index(self) -> dict:
+        """The `model.safetensors.index.json` content."""
+        total = sum(t.end - t.begin for t in self.tensors)
+        return {"metadata": {"total_size": total}, "weight_map": {t.name: t.file for t in self.tensors}}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> MergePlan:
+        data = json.loads(text)
+        data["tensors"] = [PlannedTensor(**{**t, "shape": tuple(t["shape"])}) for t in data["tensors"]]
+        return MergePlan(**data)
+
+
+def parse_size(text: str | int) -> int:
+    """`"5GB"` -> 5_000_000_000; `"500MiB"` -> 524_288_000; plain integers are bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", text.upper())
+    if not match:
+        raise CheckpointError(f"--max-shard-size {text!r} is not a size; write it like 5GB or 500MB")
+    base = 1024 if match[3] else 1000
+    return int(float(match[1]) * base ** " KMGT".index(match[2] or " "))
+
+
+def _element_size(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def make_plan(
+    source: str,
+    tensors: dict[str, TensorInfo],
+    dtype: torch.dtype | None,
+    tied: bool,
+    max_shard_size: int,
+) -> MergePlan:
+    """Group tensors by layer and pack the groups, in order, into files of at most `max_shard_size`.
+
+    Floating-point tensors are cast to `dtype`; others keep theirs. With tied embeddings the
+    output head is dropped (Hugging Face stores it once) and recorded as an alias.
+    """
+    aliases = {}
+    if tied and OUTPUT in tensors and EMBEDDING in tensors:
+        aliases[OUTPUT] = EMBEDDING
+    ordered = sorted((i, n) for i, n in enumerate(tensors) if n not in aliases)
+    ordered.sort(key=lambda item: (group_of(item[1])[0], item[0]))
+
+    planned, groups, file_sizes = [], [], [0]
+    for _, name in ordered:
+        info = tensors[name]
+        source_dtype = getattr(torch, info.dtype)
+        out_dtype = dtype if dtype is not None and source_dtype.is_floating_point else source_dtype
+        out_name = str(out_dtype).removeprefix("torch.")
+        nbytes = info.numel * _element_size(out_name)
+        if file_sizes[-1] and file_sizes[-1] + nbytes > max_shard_size:
+            file_sizes.append(0)
+        group = group_of(name)[1]
+        if group not in groups:
+            groups.append(group)
+        begin = file_sizes[-1]
+        file_sizes[-1] += nbytes
+        planned.append(PlannedTensor(name, info.shape, out_name, info.dtype, group, str(len(file_sizes)), begin, begin + nbytes))
+
+    count = len(file_sizes)
+    names = {str(i): f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)}
+    planned = [PlannedTensor(**{**asdict(t), "file": names[t.file]}) for t in planned]
+    return MergePlan(
+        source=source,
+        dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
+        groups=groups,
+        tensors=planned,
+        files=list(names.values()),
+        aliases=aliases,
+    )

@@ -1,0 +1,135 @@
+"""Proving a merged folder equals what was trained, three independent ways.
+
+- `verify_round_trip`: no reference needed. Re-slice every output tensor as each rank held it
+  and compare bit for bit with that rank's shard (cast to the output dtype; identity for keep).
+- `compare_with_reference`: tensor by tensor against a Hugging Face folder (key set, shapes, values).
+- `compare_logits`: load both folders with transformers and compare logits on fixed token ids.
+And `verify_manifest`: every file's sha256 still matches the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from .errors import VerificationError
+from .finalize import MANIFEST_FILE, sha256_file
+from .formats import CheckpointSource
+from .tensorio import HfWeights, bitwise_equal, read_json
+
+
+def verify_round_trip(source: CheckpointSource, folder: Path, aliases: dict[str, str], workers: int = 2) -> dict:
+    """Every shard of every rank (replicas too) must be found, bit for bit, in the output files.
+
+    `aliases` maps source tensors that were not written (a tied head) to the output tensor holding them.
+    """
+    expected = set(source.tensors()) - set(aliases)
+    with HfWeights(folder) as weights:
+        found = set(weights.names())
+        if found != expected:
+            odd = sorted(found ^ expected)
+            raise VerificationError(
+                f"{folder}: output tensors differ from the checkpoint's ({', '.join(odd[:3])}); "
+                "the folder was not merged from this checkpoint"
+            )
+
+        def check(name: str) -> int:
+            merged = weights.get(aliases.get(name, name))
+            count = 0
+            for piece in source.pieces(name):
+                if not bitwise_equal(merged[piece.index], piece.tensor.to(merged.dtype)):
+                    raise VerificationError(
+                        f"{piece.source}: tensor {name} at offsets {piece.offsets} differs from the merged output "
+                        f"in {folder}; the merge is wrong: do not publish it (please report this)"
+                    )
+                count += 1
+            return count
+
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            pieces = sum(pool.map(check, list(source.tensors())))
+    return {"check": "round-trip", "tensors": len(source.tensors()), "pieces": pieces, "ok": True}
+
+
+def verify_manifest(folder: Path) -> dict:
+    """Re-hash every file named in the manifest."""
+    manifest = read_json(folder / MANIFEST_FILE)
+    for name, entry in manifest["files"].items():
+        path = folder / name
+        if not path.exists():
+            raise VerificationError(f"{path}: listed in {MANIFEST_FILE} but missing; the folder is incomplete")
+        if sha256_file(path) != entry["sha256"]:
+            raise VerificationError(f"{path}: sha256 differs from {MANIFEST_FILE}; the file changed after the merge")
+    return {"check": "manifest", "files": len(manifest["files"]), "ok": True}
+
+
+def compare_with_reference(folder: Path, reference: Path, atol: float = 0.0, rtol: float = 0.0) -> dict:
+    """Same names and shapes as `reference`; values equal after casting the reference to our dtype.
+
+    With atol = rtol = 0 (the default) the comparison is exact.
+    """
+    rows, worst = [], 0.0
+    with HfWeights(folder) as ours, HfWeights(reference) as theirs:
+        missing = sorted(set(theirs.names()) - set(ours.names()))
+        extra = sorted(set(ours.names()) - set(theirs.names()))
+        if missing or extra:
+            raise VerificationError(
+                f"{folder}: tensor names differ from {reference} (missing: {missing[:3]}, extra: {extra[:3]}); "
+                "check the role (actor/critic) and tie_word_embeddings"
+            )
+        for name in theirs.names():
+            mine, ref = ours.get(name), theirs.get(name)
+            if mine.shape != ref.shape:
+                raise VerificationError(f"{folder}: tensor {name} is {tuple(mine.shape)} but {tuple(ref.shape)} in {reference}")
+            ref = ref.to(mine.dtype)
+            diff = (mine.double() - ref.double()).abs().max().item() if mine.numel() else 0.0
+            ok = bitwise_equal(mine, ref) or bool(torch.allclose(mine.double(), ref.double(), atol=atol, rtol=rtol))
+            worst = max(worst, diff)
+            rows.append({"tensor": name, "shape": list(mine.shape), "dtype": str(mine.dtype).removeprefix("torch."),
+                         "max_abs_diff": diff, "ok": ok})
+    bad = [r["tensor"] for r in rows if not r["ok"]]
+    if bad:
+        raise VerificationError(
+            f"{folder}: {len(bad)} tensors differ from {reference} beyond atol={atol} rtol={rtol} "
+            f"(first: {bad[0]}, max abs diff {worst:.3g}); the checkpoint is not the reference model"
+        )
+    return {"check": "reference", "tensors": len(rows), "max_abs_diff": worst, "ok": True, "rows": rows}
+
+
+def _auto_class(folder: Path):
+    import transformers
+
+    architectures = read_json(folder / "config.json").get("architectures") or [""]
+    if architectures[0].endswith("ForTokenClassification"):
+        return transformers.AutoModelForTokenClassification
+    return transformers.AutoModelForCausalLM
+
+
+def compare_logits(
+    folder: Path, reference: Path, atol: float = 1e-5, trust_remote_code: bool = False, seq_len: int = 16
+) -> dict:
+    """Logits of the merged model vs the reference, both in the merged dtype, on fixed token ids.
+
+    Runs on the GPU when one is present.
+    """
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    auto = _auto_class(folder)
+    kwargs = {"trust_remote_code": trust_remote_code}
+    ours = auto.from_pretrained(folder, dtype="auto", **kwargs).to(device).eval()
+    theirs = auto.from_pretrained(reference, dtype=ours.dtype, **kwargs).to(device).eval()
+    vocab = ours.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (2, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        a, b = ours(input_ids=ids).logits.float(), theirs(input_ids=ids).logits.float()
+    diff = (a - b).abs().max().item()
+    result = {"check": "logits", "device": device, "dtype": str(ours.dtype).removeprefix("torch."),
+              "shape": list(a.shape), "max_abs_diff": diff, "ok": diff <= atol}
+    if not result["ok"]:
+        raise VerificationError(f"{folder}: logits differ from {reference} by {diff:.3g} (> atol {atol}) on {device}")
+    return result
+
+
+def load_manifest(folder: Path) -> dict:
+    return json.loads((folder / MANIFEST_FILE).read_text())
