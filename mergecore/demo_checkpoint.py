@@ -25,11 +25,13 @@ output can be compared with.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
 import socket
+import sys
 import tempfile
 import warnings
 from dataclasses import asdict, dataclass
@@ -353,17 +355,21 @@ def _train_and_save(rank: int, world_size: int, spec: DemoSpec, role_dir: Path, 
     import torch
     import torch.nn.functional as F
     from transformers import AutoConfig
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
 
     hf_dir = role_dir / "huggingface"
     config = AutoConfig.from_pretrained(hf_dir)
     cls = _model_class(spec.arch)
 
     # Seeded init, identical on every rank; parameters stay fp32 (the config's dtype is only metadata).
+    # Python's and numpy's generators are seeded too: their states end up in the extra_state files.
     torch.manual_seed(spec.seed)
+    random.seed(spec.seed)
+    try:
+        import numpy as np
+
+        np.random.seed(spec.seed)
+    except ImportError:  # pragma: no cover
+        pass
     model = cls(config).to(torch.float32)
     model.train()
 
@@ -450,6 +456,10 @@ def _worker(rank: int, world_size: int, port: int, spec_dict: dict, role_dir: st
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.")
     warnings.filterwarnings("ignore", message=r".*returned a view tensor.*", category=UserWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.fsdp\._shard_utils")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -481,33 +491,90 @@ def _run_single(spec: DemoSpec, role_dir: Path, reference_dir: Path) -> None:
     """World size 1 without torch.distributed: run in this process, leaving its RNG and threads alone."""
     import torch
 
+    from transformers.utils import logging as hf_logging
+
     threads = torch.get_num_threads()
     py_state = random.getstate()
     try:
+        import numpy as np
+
+        np_state = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        np = None
+    verbosity = hf_logging.get_verbosity()
+    progress = hf_logging.is_progress_bar_enabled()
+    try:
         torch.set_num_threads(1)
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
         with torch.random.fork_rng(devices=[]):
             _train_and_save(0, 1, spec, role_dir, reference_dir)
     finally:
         torch.set_num_threads(threads)
         random.setstate(py_state)
+        if np is not None:
+            np.random.set_state(np_state)
+        hf_logging.set_verbosity(verbosity)
+        if progress:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _spawnable_main():
+    """Let spawn work when ``__main__`` came from stdin (``python - <<EOF``).
+
+    Spawned children re-run the parent's main module from ``__main__.__file__``; for a script read
+    from stdin that is the non-file ``"<stdin>"`` and every child dies with FileNotFoundError.  The
+    workers need nothing from ``__main__``, so hide such a bogus path while the children start.
+    """
+    import multiprocessing.process
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    base = multiprocessing.process.ORIGINAL_DIR or ""
+    hide = not (
+        main is None
+        or path is None
+        or getattr(main, "__spec__", None) is not None
+        or os.path.exists(os.path.join(base, path))
+    )
+    if hide:
+        del main.__file__
+    try:
+        yield
+    finally:
+        if hide:
+            main.__file__ = path
 
 
 def _run_distributed(spec: DemoSpec, role_dir: Path, reference_dir: Path) -> None:
     import torch.multiprocessing as tmp
 
     port = _free_port()
-    try:
-        tmp.start_processes(
+    with _spawnable_main():
+        context = tmp.start_processes(
             _worker,
             args=(spec.world_size, port, asdict(spec), str(role_dir), str(reference_dir)),
             nprocs=spec.world_size,
-            join=True,
+            join=False,
             start_method="spawn",
         )
+    try:
+        # join() returns False while ranks are still running; when one rank fails it stops the others
+        # and raises with that rank's traceback.
+        while not context.join():
+            pass
     except tmp.ProcessRaisedException as exc:
         raise DemoCheckpointError(f"demo checkpoint rank {exc.error_index} failed:\n{exc}") from None
     except tmp.ProcessExitedException as exc:
         raise DemoCheckpointError(f"demo checkpoint rank {exc.error_index} died: {exc}") from None
+    finally:
+        # Interrupted (e.g. Ctrl-C) while ranks still run: stop exactly the processes we started.
+        for proc in context.processes:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in context.processes:
+            proc.join(timeout=10)
 
 
 # --------------------------------------------------------------------------- public entry point

@@ -1,0 +1,62 @@
+"""Shared fixtures: real verl FSDP checkpoints written once per test session by real torch.distributed."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mergecore.demo_checkpoint import DemoCheckpoint, DemoSpec, write_demo_checkpoint
+
+# One checkpoint per way verl can save an FSDP model (see shared/FACTS.md).
+VARIANTS = {
+    "fsdp2-w1": DemoSpec(world_size=1),
+    "fsdp2-w2": DemoSpec(world_size=2),
+    # vocab 1001 over 4 ranks: uneven Shard(0) rows 251, 251, 251, 248
+    "fsdp2-w4-llama-tied": DemoSpec(arch="llama", world_size=4, tie_word_embeddings=True),
+    # verl's placement function: Shard(1) where dim 0 is not divisible by 4
+    "fsdp2-w4-placement": DemoSpec(world_size=4, shard_placement_fn=True),
+    "hsdp-2x2": DemoSpec(mode="hsdp", world_size=4),
+    "fsdp1-mesh-llama": DemoSpec(arch="llama", mode="fsdp1_mesh", world_size=2),
+    "fsdp1-sharded-tensor-tied": DemoSpec(mode="fsdp1", world_size=2, tie_word_embeddings=True),
+    "critic-w2": DemoSpec(arch="critic", world_size=2),
+    "single-llama": DemoSpec(arch="llama", mode="single", world_size=1),
+}
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory):
+    """`demo(name)` -> DemoCheckpoint for one of VARIANTS, written on first use."""
+    made: dict[str, DemoCheckpoint] = {}
+
+    def get(name: str) -> DemoCheckpoint:
+        if name not in made:
+            made[name] = write_demo_checkpoint(tmp_path_factory.mktemp(name), VARIANTS[name])
+        return made[name]
+
+    return get
+
+
+@pytest.fixture
+def demo_copy(demo, tmp_path):
+    """`demo_copy(name)` -> a private copy of a demo run that a test may damage."""
+
+    def copy(name: str) -> DemoCheckpoint:
+        original = demo(name)
+        root = tmp_path / name
+        shutil.copytree(original.run_root, root)
+        relocate = lambda p: root / Path(p).relative_to(original.run_root)  # noqa: E731
+        return DemoCheckpoint(root, relocate(original.role_dir), relocate(original.reference_dir))
+
+    return copy
+
+
+@pytest.fixture
+def cli():
+    """Run `ckptflow ARGS...` in-process; returns click's Result (exit_code, stdout, stderr)."""
+    from flows.cli import app
+
+    runner = CliRunner()
+    return lambda *args: runner.invoke(app, [str(a) for a in args])

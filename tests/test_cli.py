@@ -1,0 +1,79 @@
+"""The command line as verl users and operators drive it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def test_verl_spellings_merge_and_test(cli, demo, tmp_path):
+    ckpt = demo("fsdp2-w2")
+    result = cli("merge", "--backend", "fsdp", "--local-dir", ckpt.run_root, "--target-dir", tmp_path / "out",
+                 "--max_shard_size", "5GB", "--trust-remote-code", "--use_cpu_initialization")
+    assert result.exit_code == 0, result.output
+    assert "round-trip ok" in result.stdout
+    result = cli("test", "--backend", "fsdp", "--local_dir", ckpt.role_dir, "--test_hf_dir", ckpt.reference_dir)
+    assert result.exit_code == 0, result.output
+    assert "test passed" in result.stdout and "logits" in result.stdout
+
+
+def test_test_fails_on_a_tampered_reference(cli, demo, tmp_path):
+    ckpt = demo("fsdp2-w2")
+    reference = tmp_path / "reference"
+    shutil.copytree(ckpt.reference_dir, reference)
+    weights = load_file(reference / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][0, 0] += 1e-3
+    save_file(weights, reference / "model.safetensors", metadata={"format": "pt"})
+    result = cli("test", "--backend", "fsdp", "--local_dir", ckpt.role_dir, "--test_hf_dir", reference)
+    assert result.exit_code == 3
+    assert "1 tensors differ" in result.stderr and "model.layers.1.mlp.down_proj.weight" in result.stderr
+
+
+def test_verify_rechecks_hashes_and_round_trip(cli, demo, tmp_path):
+    ckpt = demo("fsdp2-w4-placement")
+    out = tmp_path / "out"
+    assert cli("merge", "--local_dir", ckpt.role_dir, "--target_dir", out, "--dtype", "keep").exit_code == 0
+    result = cli("verify", out, "--reference", ckpt.reference_dir, "--logits")
+    assert result.exit_code == 0, result.output
+    for check in ("manifest", "round-trip", "reference", "logits"):
+        assert check in result.stdout
+
+    # A weight changed after the merge, with the manifest rewritten to match: round-trip still catches it.
+    weights_file = next(out.glob("model-*.safetensors"))
+    weights = load_file(weights_file)
+    weights["model.norm.weight"][3] += 1.0
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    assert cli("verify", out, "--skip-source").exit_code == 3  # hash differs from the manifest
+    manifest = json.loads((out / "ckptflow_manifest.json").read_text())
+    from mergecore.finalize import sha256_file
+
+    manifest["files"][weights_file.name]["sha256"] = sha256_file(weights_file)
+    (out / "ckptflow_manifest.json").write_text(json.dumps(manifest))
+    result = cli("verify", out)
+    assert result.exit_code == 3 and "model.norm.weight" in result.stderr
+
+
+def test_inspect_json(cli, demo):
+    result = cli("inspect", demo("hsdp-2x2").run_root, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["checkpoint"]["world_size"] == 4
+    assert report["checkpoint"]["mesh_shape"] == [2, 2]
+    assert report["checkpoint"]["mesh_dim_names"] == ["ddp", "fsdp"]
+    groups = [g["group"] for g in report["groups"]]
+    assert groups == ["embed", "layers.0", "layers.1", "head"]
+    assert report["checkpoint"]["bytes"] == sum(g["bytes"] for g in report["groups"])
+
+
+def test_console_script_exit_code_in_a_real_process(tmp_path):
+    (tmp_path / "empty").mkdir()
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "merge", "--local_dir", str(tmp_path / "empty"),
+                           "--target_dir", str(tmp_path / "out")], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "no checkpoint found" in done.stderr
+    assert not (tmp_path / "out").exists()
