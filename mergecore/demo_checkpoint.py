@@ -34,6 +34,7 @@ import socket
 import sys
 import tempfile
 import warnings
+from collections import Counter
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -51,7 +52,6 @@ _BOS_TOKEN = "<|endoftext|>"
 _IM_START = "<|im_start|>"
 _EOS_TOKEN = "<|im_end|>"
 _SPECIAL_TOKENS = [_PAD_TOKEN, _IM_START, _EOS_TOKEN]
-_UNK_TOKEN = "<unk>"  # only for the word-level fallback tokenizer
 
 _CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -157,38 +157,51 @@ def _fsdp_version(spec: DemoSpec) -> int:
 # --------------------------------------------------------------------------- HF side (parent)
 
 
+# Qwen2's pre-tokenizer split pattern (GPT-4 style). transformers 5 loads every "qwen2" folder with
+# its own Qwen2Tokenizer, which rebuilds the pipeline from vocab + merges with exactly this pattern,
+# NFC normalisation and byte-level encoding: ours is built the same way so both agree token for token.
+_SPLIT_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
 def _build_tokenizer(vocab_size: int):
-    """A tiny real tokenizer, deterministic, with at most ``vocab_size`` entries."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """A tiny real byte-level BPE tokenizer (Qwen2 style), deterministic, at most ``vocab_size`` entries."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     target = min(vocab_size, 512)
-    byte_alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    byte_alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     if target >= len(byte_alphabet) + len(_SPECIAL_TOKENS) + 8:
-        # Byte-level BPE, like Qwen2/Llama-3 tokenizers.
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+        # All 256 byte symbols: any text can be encoded.
         trainer = trainers.BpeTrainer(
-            vocab_size=target,
-            special_tokens=list(_SPECIAL_TOKENS),
-            initial_alphabet=sorted(byte_alphabet),
+            vocab_size=target, special_tokens=list(_SPECIAL_TOKENS), initial_alphabet=byte_alphabet,
             show_progress=False,
         )
-        tok.train_from_iterator(_CORPUS, trainer=trainer)
-        unk = None
     else:
-        # Too small for 256 byte symbols: word-level vocabulary, most frequent words first.
-        tok = Tokenizer(models.WordLevel(unk_token=_UNK_TOKEN))
-        tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        trainer = trainers.WordLevelTrainer(
-            vocab_size=target,
-            special_tokens=list(_SPECIAL_TOKENS) + [_UNK_TOKEN],
-            show_progress=False,
+        # Too small for every byte: keep the most frequent byte symbols of the corpus (others are dropped).
+        # They are chosen here, ties broken by symbol, because the trainer's own cut (limit_alphabet
+        # alone) breaks frequency ties differently from run to run.
+        counts: Counter[str] = Counter()
+        for line in _CORPUS:
+            for piece, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(line)):
+                counts.update(piece)
+        keep = target - len(_SPECIAL_TOKENS)
+        alphabet = sorted(sorted(counts), key=lambda ch: -counts[ch])[:keep]
+        trainer = trainers.BpeTrainer(
+            vocab_size=target, special_tokens=list(_SPECIAL_TOKENS), initial_alphabet=alphabet,
+            limit_alphabet=len(alphabet), show_progress=False,
         )
-        tok.train_from_iterator(_CORPUS, trainer=trainer)
-        unk = _UNK_TOKEN
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
     if tok.get_vocab_size(with_added_tokens=True) > vocab_size:  # pragma: no cover - guarded above
         raise AssertionError("tokenizer vocabulary larger than the model's")
     return PreTrainedTokenizerFast(
@@ -196,11 +209,19 @@ def _build_tokenizer(vocab_size: int):
         bos_token=_BOS_TOKEN,
         eos_token=_EOS_TOKEN,
         pad_token=_PAD_TOKEN,
-        unk_token=unk,
         chat_template=_CHAT_TEMPLATE,
         model_max_length=128,
         padding_side="left",
     )
+
+
+def _save_tokenizer(tokenizer, folder: Path, arch: str) -> None:
+    tokenizer.save_pretrained(folder)
+    # Name the class real checkpoints of this family name (and transformers 4 understands).
+    cfg_path = folder / "tokenizer_config.json"
+    data = json.loads(cfg_path.read_text())
+    data["tokenizer_class"] = "PreTrainedTokenizerFast" if arch == "llama" else "Qwen2Tokenizer"
+    cfg_path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
 def _build_config(spec: DemoSpec, tokenizer):
@@ -271,7 +292,7 @@ def _write_hf_dir(spec: DemoSpec, hf_dir: Path, tokenizer) -> None:
             temperature=0.7,
             top_p=0.8,
         ).save_pretrained(hf_dir)
-    tokenizer.save_pretrained(hf_dir)
+    _save_tokenizer(tokenizer, hf_dir, spec.arch)
 
 
 # --------------------------------------------------------------------------- training (every rank)
@@ -548,9 +569,19 @@ def _spawnable_main():
 
 
 def _run_distributed(spec: DemoSpec, role_dir: Path, reference_dir: Path) -> None:
+    # The free port is only known to be free when we looked; if another process grabbed it before
+    # rank 0 bound it, try again with a new one.
+    for attempt in range(3):
+        try:
+            return _run_ranks(spec, role_dir, reference_dir, _free_port())
+        except DemoCheckpointError as exc:
+            if attempt == 2 or "address already in use" not in str(exc).lower():
+                raise
+
+
+def _run_ranks(spec: DemoSpec, role_dir: Path, reference_dir: Path, port: int) -> None:
     import torch.multiprocessing as tmp
 
-    port = _free_port()
     with _spawnable_main():
         context = tmp.start_processes(
             _worker,
@@ -611,7 +642,7 @@ def write_demo_checkpoint(out_dir: str | Path, spec: DemoSpec = DemoSpec()) -> D
             _run_single(spec, st_role, st_ref)
         else:
             _run_distributed(spec, st_role, st_ref)
-        tokenizer.save_pretrained(st_ref)
+        _save_tokenizer(tokenizer, st_ref, spec.arch)
 
         role_dir.parent.mkdir(parents=True, exist_ok=True)
         for src, dst in ((st_role, role_dir), (st_ref, reference_dir)):
