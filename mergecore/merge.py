@@ -25,6 +25,19 @@ from .tensorio import bitwise_equal
 from .writer import TensorWriter, prepare_files
 
 
+class Stopwatch:
+    """Seconds per phase, for reports: `lap("merge")` records the time since the previous lap."""
+
+    def __init__(self):
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = round(now - self._last, 3)
+        self._last = now
+
+
 @dataclass
 class Prepared:
     """A checkpoint that passed validation, with its config and plan: nothing written yet."""
@@ -147,13 +160,43 @@ def merge_group(
     return {"group": group, "tensors": len(planned), "bytes": written, "seconds": round(time.perf_counter() - started, 3)}
 
 
-def finalize(prepared: Prepared, staging: Path, target: Path, overwrite: bool, extra: dict | None = None) -> dict:
-    """Write index, config, tokenizer files and manifest into staging, then publish to `target`."""
-    from .finalize import publish, write_metadata
+def finalize(
+    prepared: Prepared,
+    staging: Path,
+    target: Path,
+    overwrite: bool,
+    verify: bool = True,
+    workers: int = 2,
+    extra: dict | None = None,
+) -> dict:
+    """Prove the staging folder equals the shards, write index/config/tokenizer/manifest, publish.
 
+    Nothing reaches `target` unless the round-trip check passed (when `verify`).
+    """
+    from .output import publish, write_metadata
+    from .fingerprints import plan_id
+    from .verify import verify_round_trip
+
+    clock = Stopwatch()
+    checks = [verify_round_trip(prepared.source, staging, prepared.plan.aliases, workers)] if verify else []
+    clock.lap("verify")
+    extra = dict(extra or {})
+    extra["timings"] = {**extra.get("timings", {}), **clock.laps}
+    extra.update(plan_id=plan_id(prepared.source, prepared.plan), verification=checks)
     manifest = write_metadata(prepared.source, prepared.config, prepared.plan, staging, extra)
     publish(staging, target, overwrite)
     return manifest
+
+
+def published_manifest(target: Path, prepared: Prepared) -> dict | None:
+    """The manifest of `target` if it already holds exactly this merge (same inputs, plan and code)."""
+    from .fingerprints import plan_id
+
+    manifest_file = Path(target) / "ckptflow_manifest.json"
+    if not manifest_file.exists():
+        return None
+    manifest = json.loads(manifest_file.read_text())
+    return manifest if manifest.get("plan_id") == plan_id(prepared.source, prepared.plan) else None
 
 
 def merge_checkpoint(
@@ -180,10 +223,10 @@ def merge_checkpoint(
     >>> manifest["verification"][0]["ok"]                                      # doctest: +SKIP
     True
     """
-    from .verify import verify_round_trip
-
     target_path = check_target(target, overwrite)
+    clock = Stopwatch()
     prepared = prepared or prepare(checkpoint, role, backend, hf_dir, dtype, max_shard_size, tie_word_embedding, check_replicas)
+    clock.lap("prepare")
     staging = staging_folder(target_path)
     try:
         prepare_files(prepared.plan, staging)
@@ -192,8 +235,9 @@ def merge_checkpoint(
             receipts.append(merge_group(prepared.source, prepared.plan, group, staging, workers, on_tensor))
             if on_group:
                 on_group(group, receipts[-1])
-        checks = [verify_round_trip(prepared.source, staging, prepared.plan.aliases, workers)] if verify else []
-        return finalize(prepared, staging, target_path, overwrite, {"verification": checks, "groups_written": receipts})
+        clock.lap("merge")
+        extra = {"groups_written": receipts, "timings": clock.laps}
+        return finalize(prepared, staging, target_path, overwrite, verify, workers, extra)
     except BaseException:
         import shutil
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .errors import VerificationError
-from .finalize import MANIFEST_FILE, sha256_file
+from .output import MANIFEST_FILE, sha256_file
 from .formats import CheckpointSource
 from .tensorio import HfWeights, bitwise_equal, read_json
 

@@ -15,13 +15,14 @@ import torch
 from .plan import MergePlan, PlannedTensor
 
 
-def prepare_files(plan: MergePlan, folder: Path) -> None:
+def prepare_files(plan: MergePlan, folder: Path) -> list[str]:
     """Create each output file with its header and full size; keep files already prepared.
 
     A file is kept when its size and header match the plan, so a resumed merge keeps the
-    groups it already wrote.
+    groups it already wrote. Returns the files (re)created, whose groups must be written anew.
     """
     folder.mkdir(parents=True, exist_ok=True)
+    created = []
     for file in plan.files:
         path, header, size = folder / file, plan.header(file), plan.file_size(file)
         if path.exists() and path.stat().st_size == size:
@@ -31,6 +32,8 @@ def prepare_files(plan: MergePlan, folder: Path) -> None:
         with open(path, "wb") as f:
             f.write(header)
             f.truncate(size)
+        created.append(file)
+    return created
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

@@ -1,0 +1,115 @@
+"""Benchmark `ckptflow merge` against a naive full-load merger and `cp -r`, in one run.
+
+    python bench/bench_merge.py            # ~2.3 GB fp32 checkpoint (10 layers) and a 20-layer one
+
+Writes real FSDP2 checkpoints (W=4, Qwen2-like: hidden 2048, intermediate 5632, 16 heads / 4 kv
+heads, vocab 32000) under bench/_work (kept between runs), warms the page cache, then times each
+contender `--repeat` times and prints medians and ratios. Memory is the peak anonymous (private)
+RSS of the whole process, start-up included; total RSS is shown beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from measure import measure
+
+HERE = Path(__file__).resolve().parent
+PYTHON = sys.executable
+
+
+def bench_spec(layers: int):
+    from mergecore.demo_checkpoint import DemoSpec
+
+    return DemoSpec(arch="qwen2", mode="fsdp2", world_size=4, hidden_size=2048, intermediate_size=5632,
+                    num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)
+
+
+def checkpoint(work: Path, layers: int) -> Path:
+    from mergecore.demo_checkpoint import write_demo_checkpoint
+
+    root = work / f"ckpt-{layers}-layers"
+    role = root / "global_step_1" / "actor"
+    if not (role / "model_world_size_4_rank_3.pt").exists():
+        shutil.rmtree(root, ignore_errors=True)
+        print(f"writing the {layers}-layer checkpoint with real FSDP (once; kept in {work})...", flush=True)
+        write_demo_checkpoint(root, bench_spec(layers))
+        shutil.rmtree(root / "reference")  # not needed here; saves disk
+        for optim in role.glob("optim_*.pt"):
+            optim.unlink()
+    return role
+
+
+def warm(role: Path) -> None:
+    subprocess.run(f"cat {role}/model_*.pt > /dev/null", shell=True, check=True)
+
+
+def run(label: str, argv: list[str], out: Path, repeat: int) -> dict:
+    samples = []
+    for _ in range(repeat):
+        shutil.rmtree(out, ignore_errors=True)
+        samples.append(measure(argv))
+    shutil.rmtree(out, ignore_errors=True)
+    median = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+    print(f"  {label:<28} {median['seconds']:7.2f} s   anon {median['anon_mib']:8.0f} MiB   rss {median['rss_mib']:8.0f} MiB",
+          flush=True)
+    return median
+
+
+def merge_phase_seconds(role: Path, out: Path, extra: list[str], repeat: int) -> float:
+    """The merge itself (plan + write), as the manifest records it, without start-up or verification."""
+    seconds = []
+    for _ in range(repeat):
+        shutil.rmtree(out, ignore_errors=True)
+        subprocess.run([PYTHON, "-m", "flows.cli", "merge", "--local_dir", str(role), "--target_dir", str(out), *extra],
+                       check=True, capture_output=True)
+        timings = json.loads((out / "ckptflow_manifest.json").read_text())["timings"]
+        seconds.append(timings["merge"])
+    shutil.rmtree(out, ignore_errors=True)
+    return statistics.median(seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=HERE / "_work")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    out = args.work / "out"
+    ckptflow = [PYTHON, "-m", "flows.cli", "merge", "--dtype", "bf16", "--target_dir", str(out), "--local_dir"]
+
+    results = {}
+    for layers in (10, 20):
+        role = checkpoint(args.work, layers)
+        size = sum(f.stat().st_size for f in role.glob("model_*.pt")) / 1e9
+        warm(role)
+        print(f"\n{layers} layers: {size:.2f} GB of fp32 rank files (W=4), medians of {args.repeat}")
+        results[layers] = {
+            "ckptflow": run("ckptflow merge (verified)", [*ckptflow, str(role)], out, args.repeat),
+            "ckptflow_noverify": run("ckptflow merge --skip-verify", [*ckptflow, str(role), "--skip-verify"], out, args.repeat),
+        }
+        if layers == 10:
+            results[layers]["naive"] = run("naive full-load merge", [PYTHON, str(HERE / "naive_merge.py"), str(role), str(out)], out, args.repeat)
+            results[layers]["cp"] = run("cp -r + sync", ["bash", "-c", f"cp -r {role} {out} && sync"], out, args.repeat)
+            results[layers]["merge_phase"] = merge_phase_seconds(role, out, ["--dtype", "bf16", "--skip-verify"], args.repeat)
+            print(f"  {'merge phase alone':<28} {results[layers]['merge_phase']:7.2f} s")
+
+    ours, naive, cp = results[10]["ckptflow"], results[10]["naive"], results[10]["cp"]
+    fast = results[10]["ckptflow_noverify"]
+    print("\nratios (10 layers)")
+    print(f"  speed-up vs naive, verified merge:    {naive['seconds'] / ours['seconds']:5.2f}x   (target >= 3x)")
+    print(f"  speed-up vs naive, --skip-verify:     {naive['seconds'] / fast['seconds']:5.2f}x")
+    print(f"  peak private memory vs naive:         {ours['anon_mib'] / naive['anon_mib']:5.3f}    (target <= 0.2)")
+    print(f"  merge phase vs cp -r:                 {results[10]['merge_phase'] / cp['seconds']:5.2f}x   (target <= 1.5x)")
+    print(f"  peak private memory, 20 vs 10 layers: {results[20]['ckptflow']['anon_mib'] / ours['anon_mib']:5.2f}x   (flat = 1.0)")
+    (args.work / "results.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

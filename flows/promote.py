@@ -1,0 +1,96 @@
+"""The promotion DAG, top to bottom:
+
+discover_shards -> validate_metadata -> plan_groups -> prepare_staging -> merge_group (mapped)
+-> finalize_model -> run_equivalence_tests -> push_to_hub
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow
+from prefect.artifacts import (create_link_artifact, create_markdown_artifact, create_progress_artifact,
+                               create_table_artifact, update_progress_artifact)
+from prefect.futures import as_completed
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from mergecore import staging_folder
+from mergecore.merge import check_target
+from tasks import (discover_shards, finalize_model, merge_group, plan_groups, prepare_staging, push_to_hub,
+                   run_equivalence_tests, validate_metadata)
+from tasks.caching import group_cache_policy, results_folder
+from tasks.sources import CheckpointRef
+
+from .reports import equivalence_rows, merge_report
+
+
+@flow(name="merge-checkpoint", task_runner=ThreadPoolTaskRunner(max_workers=2))
+def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False) -> dict:
+    """Checkpoint -> verified Hugging Face folder at `target`; groups are cached across runs."""
+    source = discover_shards(ref)
+    validate_metadata(ref)
+    plan = plan_groups(ref)
+    if already_published(ref, target, overwrite):  # a rerun after success: every group is a cache hit
+        staged = {"staging": str(staging_folder(target)), "created": []}
+    else:
+        staged = prepare_staging(plan, target)
+
+    merge = merge_group.with_options(cache_policy=group_cache_policy(target), result_storage=results_folder(target))
+    rewritten = {g for g in plan.groups if any(t.file in staged["created"] for t in plan.in_group(g))}
+    futures = {merge.with_options(refresh_cache=group in rewritten).submit(ref, plan, group, staged["staging"]): group
+               for group in plan.groups}
+    progress = create_progress_artifact(0.0, description=f"groups merged into {target}")
+    states = {}
+    for done, future in enumerate(as_completed(list(futures)), start=1):
+        future.wait()
+        states[futures[future]] = future.state
+        update_progress_artifact(progress, 100.0 * done / len(futures))
+    receipts = [states[g].result() for g in plan.groups]  # raises the first failure, after all groups ran
+
+    manifest = finalize_model(ref, staged["staging"], target, overwrite, receipts)
+    cached = [g for g in plan.groups if states[g].name == "Cached"]
+    create_markdown_artifact(merge_report(source, plan, receipts, cached, manifest), key="merge-report",
+                             description=f"merge of {source['location']}")
+    return {**manifest, "cached_groups": cached}
+
+
+@flow(name="promote-checkpoint")
+def promote_checkpoint(
+    checkpoint: str,
+    target: str,
+    dtype: str = "auto",
+    reference: str | None = None,
+    hub_repo: str | None = None,
+    revision: str | None = None,
+    private: bool = True,
+    max_shard_size: str = "5GB",
+    role: str = "actor",
+    backend: str = "auto",
+    hf_dir: str | None = None,
+    tag: str | None = None,
+    hub_token_secret: str | None = None,
+    overwrite: bool = False,
+    trust_remote_code: bool = False,
+) -> dict:
+    """Merge a training checkpoint, prove it equal to what was trained, and publish it to the Hub."""
+    ref = CheckpointRef(checkpoint, role, backend, hf_dir, dtype, max_shard_size)
+    manifest = merge_checkpoint(ref, target, overwrite)
+    checks = run_equivalence_tests(target, manifest, reference, trust_remote_code)
+    create_table_artifact(equivalence_rows(checks), key="equivalence", description="equivalence tests")
+    result = {"target": str(Path(target).absolute()), "checks": checks, "cached_groups": manifest["cached_groups"]}
+    if hub_repo:
+        pushed = push_to_hub(target, manifest, checks, hub_repo, revision, private, tag, hub_token_secret)
+        create_link_artifact(pushed["url"], link_text=f"{hub_repo}@{pushed['revision']}", key="hub-revision")
+        result["hub"] = pushed
+    return result
+
+
+def already_published(ref: CheckpointRef, target: str, overwrite: bool) -> bool:
+    """True when `target` holds this very merge; a different non-empty target needs overwrite."""
+    from mergecore.merge import published_manifest
+    from tasks.sources import prepared_for
+
+    if published_manifest(Path(target), prepared_for(ref)):
+        return True
+    check_target(target, overwrite)
+    return False

@@ -1,0 +1,36 @@
+"""What a person sees in the Prefect UI: the merge report and the equivalence table."""
+
+from __future__ import annotations
+
+from mergecore import MergePlan
+
+
+def merge_report(source: dict, plan: MergePlan, receipts: list[dict], cached: list[str], manifest: dict) -> str:
+    total = sum(r["bytes"] for r in receipts)
+    rows = "\n".join(
+        f"| {r['group']} | {r['tensors']} | {r['bytes']:,} | {r['seconds']:.2f} | {'cached' if r['group'] in cached else 'merged'} |"
+        for r in receipts)
+    return f"""# Merge report
+
+| | |
+|---|---|
+| source | `{source['location']}` |
+| format | {source['format']} |
+| step | {source.get('step')} |
+| world size | {source['world_size']} |
+| mesh | {source.get('mesh_shape')} {source.get('mesh_dim_names') or ''} |
+| output dtype | {manifest['dtype']} |
+| files | {len(plan.files)} ({total:,} bytes of weights) |
+| groups | {len(plan.groups)} ({len(cached)} cached) |
+| timings | {manifest.get('timings', {})} |
+
+| group | tensors | bytes | seconds | |
+|---|---|---|---|---|
+{rows}
+"""
+
+
+def equivalence_rows(checks: list[dict]) -> list[dict]:
+    return [{"check": c["check"], "result": "passed" if c["ok"] else "FAILED",
+             "details": ", ".join(f"{k}={v}" for k, v in c.items() if k not in ("check", "ok", "rows"))}
+            for c in checks]

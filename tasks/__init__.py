@@ -1,0 +1,9 @@
+"""Prefect tasks: each a thin wrapper around one mergecore call, with retries and cache policies."""
+
+from .checkpoint import discover_shards, plan_groups, prepare_staging, validate_metadata
+from .hub import push_to_hub
+from .merge import finalize_model, merge_group
+from .verify import run_equivalence_tests
+
+__all__ = ["discover_shards", "validate_metadata", "plan_groups", "prepare_staging", "merge_group",
+           "finalize_model", "run_equivalence_tests", "push_to_hub"]

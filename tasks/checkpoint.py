@@ -1,0 +1,39 @@
+"""Discover, validate and plan: metadata only, no tensor data is read."""
+
+from __future__ import annotations
+
+from prefect import task
+
+from mergecore import MergePlan, open_checkpoint, staging_folder
+from mergecore.fingerprints import input_fingerprints
+from mergecore.writer import prepare_files
+
+from .sources import CheckpointRef, prepared_for
+
+
+@task(name="discover_shards")
+def discover_shards(ref: CheckpointRef) -> dict:
+    """Find the rank files, world size, mesh and huggingface/ folder behind a path or URL."""
+    source = open_checkpoint(ref.checkpoint, role=ref.role, backend=ref.backend, hf_dir=ref.hf_dir)
+    return {**source.describe(), "fingerprints": input_fingerprints(source)}
+
+
+@task(name="validate_metadata")
+def validate_metadata(ref: CheckpointRef) -> dict:
+    """All ranks present and consistent, shapes agree with config.json. Fails the run on bad input."""
+    prepared = prepared_for(ref)
+    return {"tensors": len(prepared.source.tensors()), "model_type": prepared.config.get("model_type"),
+            "architectures": prepared.config.get("architectures")}
+
+
+@task(name="plan_groups")
+def plan_groups(ref: CheckpointRef) -> MergePlan:
+    """Layer groups packed into output files; every header fixed before any data is read."""
+    return prepared_for(ref).plan
+
+
+@task(name="prepare_staging")
+def prepare_staging(plan: MergePlan, target: str) -> dict:
+    """Pre-size the output files beside the target; files kept from an interrupted run are reused."""
+    staging = staging_folder(target)
+    return {"staging": str(staging), "created": prepare_files(plan, staging)}

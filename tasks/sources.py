@@ -1,0 +1,39 @@
+"""One opened checkpoint per process, shared by the tasks that run there.
+
+Opening mmaps every rank file and reads their metadata; tasks of the same run (threads, or one
+Dask worker) reuse it. The key holds the input files' fingerprints, so a changed file reopens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from mergecore import Prepared, prepare
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """Everything that names a checkpoint and how to merge it: the plain inputs every task takes."""
+
+    checkpoint: str
+    role: str = "actor"
+    backend: str = "auto"
+    hf_dir: str | None = None
+    dtype: str = "auto"
+    max_shard_size: str = "5GB"
+    tie_word_embedding: bool | None = None
+
+
+@lru_cache(maxsize=4)
+def _prepared(ref: CheckpointRef, fingerprints: str) -> Prepared:
+    return prepare(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.dtype, ref.max_shard_size, ref.tie_word_embedding)
+
+
+def prepared_for(ref: CheckpointRef) -> Prepared:
+    """The validated, planned checkpoint for `ref` (cached per process while its files are unchanged)."""
+    from mergecore.fingerprints import digest, input_fingerprints
+    from mergecore.formats import open_checkpoint
+
+    source = open_checkpoint(ref.checkpoint, role=ref.role, backend=ref.backend, hf_dir=ref.hf_dir)
+    return _prepared(ref, digest(input_fingerprints(source)))

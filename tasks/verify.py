@@ -1,0 +1,22 @@
+"""Equivalence tests on the published folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+
+from mergecore import compare_logits, compare_with_reference, verify_manifest
+
+
+@task(name="run_equivalence_tests")
+def run_equivalence_tests(target: str, manifest: dict, reference: str | None = None,
+                          trust_remote_code: bool = False) -> list[dict]:
+    """Manifest hashes; with a reference: every tensor and the logits. The round-trip ran before publishing."""
+    folder = Path(target)
+    results = list(manifest.get("verification", [])) + [verify_manifest(folder)]
+    if reference:
+        tensors = compare_with_reference(folder, Path(reference))
+        results.append({k: v for k, v in tensors.items() if k != "rows"})
+        results.append(compare_logits(folder, Path(reference), trust_remote_code=trust_remote_code))
+    return results
