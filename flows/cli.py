@@ -50,14 +50,18 @@ def cli_errors(command):
     return run
 
 
-def refuse_upload_flags(hf_upload_path: Optional[str], private: bool) -> None:
-    from mergecore import CheckpointError
+def push_merged(folder: Path, manifest: dict, repo_id: str, revision: Optional[str], private: bool,
+                tag: Optional[str] = None, checks: Optional[list] = None) -> dict:
+    """Write the model card and push a merged folder (endpoint and token from HF_ENDPOINT / HF_TOKEN)."""
+    from mergecore.hub import CARD_FILE, model_card, push_folder
 
-    if hf_upload_path or private:
-        raise CheckpointError(
-            "--hf_upload_path/--private are not available in this version; merge with ckptflow merge, then upload "
-            "the target folder with `huggingface-cli upload`"
-        )
+    config = json.loads((folder / "config.json").read_text())
+    (folder / CARD_FILE).write_text(model_card(manifest, config, checks or manifest.get("verification", [])))
+    pushed = push_folder(folder, repo_id, revision=revision, private=private, tag=tag)
+    change = "new commit" if pushed["new_commit"] else "unchanged, no new commit"
+    out.print(f"pushed to {pushed['url']} ({change} {pushed['commit'][:12]}; {pushed['files_checked']} files verified)",
+              highlight=False, soft_wrap=True)
+    return pushed
 
 
 def check_value_model(is_value_model: bool, config: dict) -> None:
@@ -119,16 +123,22 @@ def merge(
     skip_verify: bool = typer.Option(False, "--skip-verify", help="Publish without the round-trip check (not recommended)."),
     check_replicas: bool = typer.Option(False, "--check-replicas", help="Also check HSDP replicas are identical."),
     workers: int = typer.Option(2, "--workers", help="Threads reading, converting and writing tensors."),
-    hf_upload_path: Optional[str] = typer.Option(None, "--hf_upload_path", "--hf-upload-path", help="Not available yet."),
-    private: bool = typer.Option(False, "--private", help="Not available yet."),
+    hf_upload_path: Optional[str] = typer.Option(None, "--hf_upload_path", "--hf-upload-path", help="Also push to this Hub repo (org/name)."),
+    private: bool = typer.Option(False, "--private", help="With --hf_upload_path: create the repo private."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="With --hf_upload_path: branch to push to (created if missing)."),
 ):
-    """Merge a checkpoint into a verified Hugging Face folder."""
-    refuse_upload_flags(hf_upload_path, private)
+    """Merge a checkpoint into a verified Hugging Face folder (and optionally push it to the Hub)."""
+    if private and not hf_upload_path:
+        from mergecore import CheckpointError
+
+        raise CheckpointError("--private only applies with --hf_upload_path ORG/NAME")
     manifest = run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size,
                          tie_word_embedding, is_value_model, overwrite, not skip_verify, check_replicas, workers)
     checks = ", ".join(f"{c['check']} ok" for c in manifest.get("verification", [])) or "not verified"
     out.print(f"merged {manifest['source']['location']} -> {Path(target_dir).absolute()} "
               f"({len(manifest['files'])} files, dtype {manifest['dtype']}; {checks})", highlight=False, soft_wrap=True)
+    if hf_upload_path:
+        push_merged(Path(target_dir), manifest, hf_upload_path, revision, private)
 
 
 @app.command("test")
@@ -218,6 +228,41 @@ def inspect(
         table.add_row(group["group"], str(group["tensors"]), f"{group['bytes']:,}", ", ".join(group["dtypes"]),
                       "; ".join(group["layouts"]))
     out.print(table)
+
+
+@app.command()
+@cli_errors
+def promote(
+    checkpoint: str = typer.Argument(..., help="Role folder, global_step_N folder or run root (path or fsspec URL)."),
+    target: str = typer.Option(..., "--target", help="Output folder (published atomically)."),
+    dtype: str = DTYPE,
+    reference: Optional[str] = typer.Option(None, "--reference", help="Reference HF folder: compare tensors and logits."),
+    hub_repo: Optional[str] = typer.Option(None, "--hub-repo", help="Push to this Hub repo (org/name)."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub branch, e.g. step-1000 (created if missing)."),
+    tag: Optional[str] = typer.Option(None, "--tag", help="Also tag the pushed revision."),
+    private: bool = typer.Option(True, "--private/--public", help="Visibility of a newly created Hub repo."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size"),
+    role: str = ROLE,
+    backend: str = BACKEND,
+    hf_model_path: Optional[str] = HF_MODEL_PATH,
+    hub_token_secret: Optional[str] = typer.Option(None, "--hub-token-secret", help="Prefect Secret block holding the Hub token (default: HF_TOKEN)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a target holding a different merge."),
+):
+    """Run the Prefect pipeline: merge (cached per group) -> verify -> push to the Hub."""
+    from flows.run import run_promotion
+
+    result = run_promotion(checkpoint=checkpoint, target=target, dtype=dtype, reference=reference, hub_repo=hub_repo,
+                           revision=revision, private=private, max_shard_size=max_shard_size, role=role,
+                           backend=backend, hf_dir=hf_model_path, tag=tag, hub_token_secret=hub_token_secret,
+                           overwrite=overwrite)
+    print_checks(result["checks"])
+    cached = result["cached_groups"]
+    out.print(f"verified model: {result['target']}" + (f" ({len(cached)} groups reused from cache)" if cached else ""),
+              highlight=False, soft_wrap=True)
+    if "hub" in result:
+        hub = result["hub"]
+        change = "new commit" if hub["new_commit"] else "unchanged, no new commit"
+        out.print(f"hub: {hub['url']} ({change} {hub['commit'][:12]})", highlight=False, soft_wrap=True)
 
 
 @app.command("demo-checkpoint")
