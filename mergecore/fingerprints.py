@@ -43,6 +43,12 @@ def group_key(source: CheckpointSource, plan: MergePlan, group: str, staging: st
     })
 
 
-def plan_id(source: CheckpointSource, plan: MergePlan) -> str:
-    """Identity of a whole merge result: same inputs, same plan, same code."""
+def weights_id(source: CheckpointSource, plan: MergePlan) -> str:
+    """Identity of the merged weight files: same inputs, same plan, same code."""
     return digest({"inputs": input_fingerprints(source), "plan": asdict(plan), "code": code_version()})
+
+
+def metadata_id(source: CheckpointSource, config: dict) -> str:
+    """Identity of everything else in the folder: config.json and the files copied from huggingface/."""
+    files = {name: source.hf_dir.join(name).fingerprint() for name in source.hf_dir.listdir()}
+    return digest({"config": config, "files": files, "code": code_version()})

@@ -173,8 +173,8 @@ def finalize(
 
     Nothing reaches `target` unless the round-trip check passed (when `verify`).
     """
+    from .fingerprints import metadata_id, weights_id
     from .output import publish, write_metadata
-    from .fingerprints import plan_id
     from .verify import verify_round_trip
 
     clock = Stopwatch()
@@ -182,21 +182,44 @@ def finalize(
     clock.lap("verify")
     extra = dict(extra or {})
     extra["timings"] = {**extra.get("timings", {}), **clock.laps}
-    extra.update(plan_id=plan_id(prepared.source, prepared.plan), verification=checks)
+    extra.update(weights_id=weights_id(prepared.source, prepared.plan),
+                 metadata_id=metadata_id(prepared.source, prepared.config), verification=checks)
     manifest = write_metadata(prepared.source, prepared.config, prepared.plan, staging, extra)
     publish(staging, target, overwrite)
     return manifest
 
 
 def published_manifest(target: Path, prepared: Prepared) -> dict | None:
-    """The manifest of `target` if it already holds exactly this merge (same inputs, plan and code)."""
-    from .fingerprints import plan_id
+    """The manifest of `target` if its weight files are exactly this merge's (same inputs, plan, code)."""
+    from .fingerprints import weights_id
 
     manifest_file = Path(target) / "ckptflow_manifest.json"
     if not manifest_file.exists():
         return None
     manifest = json.loads(manifest_file.read_text())
-    return manifest if manifest.get("plan_id") == plan_id(prepared.source, prepared.plan) else None
+    return manifest if manifest.get("weights_id") == weights_id(prepared.source, prepared.plan) else None
+
+
+def refresh_published(prepared: Prepared, target: Path, verify: bool = True, workers: int = 2) -> dict:
+    """Reuse the weights already published at `target`; rewrite config, tokenizer files and manifest if they changed.
+
+    The weight files are hard-linked into a new staging folder (never written), so the swap is atomic.
+    """
+    import os
+
+    from .fingerprints import metadata_id
+
+    manifest = published_manifest(target, prepared)
+    if manifest is None:
+        raise CheckpointError(f"{target}: does not hold this checkpoint's merge; rerun with overwrite to rebuild it")
+    if manifest.get("metadata_id") == metadata_id(prepared.source, prepared.config):
+        return {**manifest, "reused": True}
+    staging = staging_folder(target)
+    staging.mkdir(parents=True, exist_ok=True)
+    for file in prepared.plan.files:
+        os.link(Path(target) / file, staging / file)
+    return finalize(prepared, staging, Path(target), overwrite=True, verify=verify, workers=workers,
+                    extra={"groups_written": manifest.get("groups_written", [])})
 
 
 def merge_checkpoint(

@@ -29,6 +29,7 @@ def prepare_files(plan: MergePlan, folder: Path) -> list[str]:
             with open(path, "rb") as f:
                 if f.read(len(header)) == header:
                     continue
+        path.unlink(missing_ok=True)  # a new inode: never write through a hard link to published weights
         with open(path, "wb") as f:
             f.write(header)
             f.truncate(size)

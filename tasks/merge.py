@@ -9,7 +9,7 @@ from prefect import task
 from mergecore import CheckpointError, MergePlan
 from mergecore import finalize as finalize_folder
 from mergecore import merge_group as merge_one_group
-from mergecore.merge import published_manifest
+from mergecore.merge import refresh_published
 
 from .sources import CheckpointRef, prepared_for
 
@@ -39,10 +39,9 @@ def merge_group(ref: CheckpointRef, plan: MergePlan, group: str, staging: str, w
 def finalize_model(ref: CheckpointRef, staging: str, target: str, overwrite: bool, receipts: list[dict]) -> dict:
     """Round-trip check against the shards, index/config/tokenizer/manifest, atomic publish.
 
-    A target that already holds this exact merge (a rerun after success) is left as it is.
+    On a rerun whose weights are already published (no staging folder), only changed metadata is redone.
     """
     prepared = prepared_for(ref)
-    existing = published_manifest(Path(target), prepared)
-    if existing and not Path(staging).exists():
-        return {**existing, "reused": True}
+    if not Path(staging).exists():
+        return refresh_published(prepared, Path(target))
     return finalize_folder(prepared, Path(staging), Path(target), overwrite, extra={"groups_written": receipts})

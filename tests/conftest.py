@@ -60,3 +60,26 @@ def cli():
 
     runner = CliRunner()
     return lambda *args: runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """A loopback Hub speaking the real HTTP protocol; HF_TOKEN is alice's token."""
+    from hub_server import HubServer
+
+    with HubServer(tokens={"hf_alice": "alice", "hf_bob": "bob"}) as server:
+        server.configure_client(monkeypatch, tmp_path / "hf-home")
+        monkeypatch.setenv("HF_TOKEN", "hf_alice")
+        yield server
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """A real Prefect API (temporary SQLite database) for the flow tests of this session."""
+    import os
+
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=60):
+        yield

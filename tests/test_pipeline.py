@@ -1,0 +1,127 @@
+"""The Prefect DAG on a real Prefect server: resume, caching, invalidation, artifacts, Hub push.
+
+Flow runs cost about a second each on top of the server's start, so each test makes few of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+
+import pytest
+
+from flows.promote import promote_checkpoint
+from mergecore import merge_checkpoint
+from mergecore.writer import TensorWriter
+
+GROUPS = ["embed", "layers.0", "layers.1", "head"]
+
+
+def merge_group_states() -> list[dict[str, str]]:
+    """Per merge-checkpoint flow run, oldest first: {group: final state name} of its merge_group task runs."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="merge_group[")))
+    by_flow: dict = defaultdict(dict)
+    started: dict = {}
+    for run in runs:
+        by_flow[run.flow_run_id][run.name.removeprefix("merge_group[").rstrip("]")] = run.state.name
+        started[run.flow_run_id] = min(started.get(run.flow_run_id, run.expected_start_time), run.expected_start_time)
+    return [by_flow[f] for f in sorted(by_flow, key=started.get)]
+
+
+def promote(ckpt, target, **options):
+    return promote_checkpoint(checkpoint=str(ckpt.run_root), target=str(target), **options)
+
+
+def test_interrupted_promotion_resumes_and_reruns_are_free(prefect_server, hub, demo, tmp_path, monkeypatch):
+    ckpt = demo("fsdp2-w2")
+    target = tmp_path / "model"
+    options = dict(reference=str(ckpt.reference_dir), hub_repo="alice/run1", revision="step-1", tag="v1")
+
+    write = TensorWriter.write
+
+    def pull_the_disk_during_layers_1(self, planned, tensor):
+        if planned.group == "layers.1":
+            raise RuntimeError("injected fault")
+        return write(self, planned, tensor)
+
+    monkeypatch.setattr(TensorWriter, "write", pull_the_disk_during_layers_1)
+    failed = promote(ckpt, target, return_state=True, **options)
+    assert failed.is_failed()
+    assert not target.exists() and not any("/api/models/alice/run1/commit" in r.path for r in hub.requests)
+    monkeypatch.setattr(TensorWriter, "write", write)
+
+    resumed = promote(ckpt, target, **options)
+    first, second = merge_group_states()[-2:]
+    finished_before = {g for g, state in first.items() if state == "Completed"}
+    assert {"embed", "layers.0"} <= finished_before and first["layers.1"] == "Failed"
+    assert {g for g, state in second.items() if state == "Cached"} == finished_before
+    assert second["layers.1"] == "Completed"
+    assert [c["check"] for c in resumed["checks"]] == ["round-trip", "manifest", "reference", "logits"]
+    assert all(c["ok"] for c in resumed["checks"]) and resumed["hub"]["new_commit"]
+
+    uninterrupted = tmp_path / "direct"
+    merge_checkpoint(str(ckpt.role_dir), uninterrupted)
+    for path in uninterrupted.iterdir():
+        if path.name != "ckptflow_manifest.json":
+            assert (target / path.name).read_bytes() == path.read_bytes(), path.name
+    assert hub.files("alice/run1", revision="step-1")["model-00001-of-00001.safetensors"] == \
+        (target / "model-00001-of-00001.safetensors").read_bytes()
+
+    commits = len(hub.commits("alice/run1", branch="step-1"))
+    rerun = promote(ckpt, target, **options)
+    assert merge_group_states()[-1] == {g: "Cached" for g in GROUPS}
+    assert rerun["cached_groups"] == GROUPS
+    assert not rerun["hub"]["new_commit"] and len(hub.commits("alice/run1", branch="step-1")) == commits
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["merge-report", "equivalence", "hub-revision"])))
+        kinds = {a.key: a.type for a in artifacts}
+        assert kinds == {"merge-report": "markdown", "equivalence": "table", "hub-revision": "markdown"}  # links render as markdown
+        assert "alice/run1/tree/step-1" in next(a for a in artifacts if a.key == "hub-revision").data
+        report = max((a for a in artifacts if a.key == "merge-report"), key=lambda a: a.created).data
+        assert "| world size | 2 |" in report and "(4 cached)" in report
+        assert client.read_artifacts(artifact_filter=ArtifactFilter(type={"any_": ["progress"]}))
+    assert "hf_alice" not in json.dumps([a.data for a in artifacts], default=str)
+
+
+def test_cache_follows_exactly_the_inputs(prefect_server, demo_copy, tmp_path):
+    ckpt = demo_copy("fsdp2-w2")
+    target = tmp_path / "model"
+    assert promote(ckpt, target)["cached_groups"] == []
+
+    # Files no group reads: groups stay cached; a changed chat template is republished.
+    later = os.stat(ckpt.role_dir / "model_world_size_2_rank_1.pt").st_mtime + 10
+    os.utime(ckpt.role_dir / "optim_world_size_2_rank_1.pt", (later, later))
+    (ckpt.role_dir / "huggingface" / "chat_template.jinja").write_text("{{ messages }}")
+    again = promote(ckpt, target)
+    assert again["cached_groups"] == GROUPS
+    assert (target / "chat_template.jinja").read_text() == "{{ messages }}"
+
+    # verl FSDP: every group reads every rank file, so touching one invalidates them all.
+    os.utime(ckpt.role_dir / "model_world_size_2_rank_1.pt", (later, later))
+    assert promote(ckpt, target, overwrite=True)["cached_groups"] == []  # a different merge: replacing needs overwrite
+
+    as_fp32 = promote(ckpt, target, dtype="fp32", overwrite=True)
+    assert as_fp32["cached_groups"] == []
+    assert json.loads((target / "config.json").read_text())["dtype"] == "float32"
+    assert merge_group_states()[-1] == {g: "Completed" for g in GROUPS}
+
+
+def test_bad_input_fails_the_run_before_anything_is_written(prefect_server, demo_copy, tmp_path):
+    ckpt = demo_copy("fsdp2-w2")
+    (ckpt.role_dir / "model_world_size_2_rank_0.pt").unlink()
+    state = promote(ckpt, tmp_path / "model", return_state=True)
+    assert state.is_failed()
+    from mergecore import CheckpointError
+
+    with pytest.raises(CheckpointError, match="model_world_size_2_rank_0.pt: missing"):
+        state.result()
+    assert list(tmp_path.iterdir()) == [tmp_path / "fsdp2-w2"]
