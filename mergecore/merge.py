@@ -168,23 +168,26 @@ def finalize(
     verify: bool = True,
     workers: int = 2,
     extra: dict | None = None,
+    hashes=None,
 ) -> dict:
     """Prove the staging folder equals the shards, write index/config/tokenizer/manifest, publish.
 
     Nothing reaches `target` unless the round-trip check passed (when `verify`).
     """
     from .fingerprints import metadata_id, weights_id
-    from .output import publish, write_metadata
+    from .output import BackgroundHashes, publish, write_metadata
     from .verify import verify_round_trip
 
     clock = Stopwatch()
+    hashes = hashes or BackgroundHashes(staging)
+    hashes.start(prepared.plan.files)  # overlaps with the round-trip check
     checks = [verify_round_trip(prepared.source, staging, prepared.plan.aliases, workers)] if verify else []
     clock.lap("verify")
     extra = dict(extra or {})
     extra["timings"] = {**extra.get("timings", {}), **clock.laps}
     extra.update(weights_id=weights_id(prepared.source, prepared.plan),
                  metadata_id=metadata_id(prepared.source, prepared.config), verification=checks)
-    manifest = write_metadata(prepared.source, prepared.config, prepared.plan, staging, extra)
+    manifest = write_metadata(prepared.source, prepared.config, prepared.plan, staging, extra, hashes.digests())
     publish(staging, target, overwrite)
     return manifest
 
@@ -251,16 +254,23 @@ def merge_checkpoint(
     prepared = prepared or prepare(checkpoint, role, backend, hf_dir, dtype, max_shard_size, tie_word_embedding, check_replicas)
     clock.lap("prepare")
     staging = staging_folder(target_path)
+    from .output import BackgroundHashes
+
+    plan = prepared.plan
+    hashes = BackgroundHashes(staging)
     try:
-        prepare_files(prepared.plan, staging)
-        receipts = []
-        for group in prepared.plan.groups:
-            receipts.append(merge_group(prepared.source, prepared.plan, group, staging, workers, on_tensor))
+        prepare_files(plan, staging)
+        receipts, pending = [], list(plan.groups)
+        for group in plan.groups:
+            receipts.append(merge_group(prepared.source, plan, group, staging, workers, on_tensor))
+            pending.remove(group)
+            # a file whose groups are all written is hashed while later groups merge
+            hashes.start([f for f in plan.files if not any(t.file == f for g in pending for t in plan.in_group(g))])
             if on_group:
                 on_group(group, receipts[-1])
         clock.lap("merge")
         extra = {"groups_written": receipts, "timings": clock.laps}
-        return finalize(prepared, staging, target_path, overwrite, verify, workers, extra)
+        return finalize(prepared, staging, target_path, overwrite, verify, workers, extra, hashes)
     except BaseException:
         import shutil
 

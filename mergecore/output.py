@@ -62,14 +62,42 @@ def copy_hf_files(source: CheckpointSource, folder: Path) -> list[str]:
     return copied
 
 
-def write_metadata(source: CheckpointSource, config: dict, plan: MergePlan, folder: Path, extra: dict | None = None) -> dict:
-    """Index, config.json, copied files and the manifest (sha256 of every file) into `folder`."""
+class BackgroundHashes:
+    """sha256 of finished files, computed on one background thread while other work goes on.
+
+    >>> hashes = BackgroundHashes(folder); hashes.start(["model-00001-of-00002.safetensors"])  # doctest: +SKIP
+    >>> hashes.digests()                                                                  # doctest: +SKIP
+    """
+
+    def __init__(self, folder: Path):
+        self._folder = folder
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
+        self._futures: dict = {}
+
+    def start(self, names: list[str]) -> None:
+        for name in names:
+            if name not in self._futures:
+                self._futures[name] = self._pool.submit(sha256_file, self._folder / name)
+
+    def digests(self) -> dict[str, str]:
+        try:
+            return {name: future.result() for name, future in self._futures.items()}
+        finally:
+            self._pool.shutdown()
+
+
+def write_metadata(source: CheckpointSource, config: dict, plan: MergePlan, folder: Path, extra: dict | None = None,
+                   known: dict[str, str] | None = None) -> dict:
+    """Index, config.json, copied files and the manifest (sha256 of every file) into `folder`.
+
+    `known` holds sha256 digests already computed (the weight files, hashed while verifying).
+    """
     (folder / INDEX_FILE).write_text(json.dumps(plan.index(), indent=2) + "\n")
     (folder / "config.json").write_text(json.dumps(output_config(config, plan), indent=2) + "\n")
     copy_hf_files(source, folder)
     files = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
-    with ThreadPoolExecutor(2) as pool:
-        digests = dict(zip(files, pool.map(lambda name: sha256_file(folder / name), files)))
+    digests = dict(known or {})
+    digests.update({name: sha256_file(folder / name) for name in files if name not in digests})
     manifest = {
         "ckptflow_version": ckptflow_version(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

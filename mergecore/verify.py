@@ -114,6 +114,9 @@ def compare_logits(
 
     Runs on the GPU when one is present.
     """
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     auto = _auto_class(folder)
     kwargs = {"trust_remote_code": trust_remote_code}

@@ -1,0 +1,97 @@
+"""Benchmark the Prefect pipeline against the bare merge on the bench checkpoint.
+
+    python bench/bench_flow.py     # after bench/bench_merge.py has written bench/_work/ckpt-10-layers
+
+Starts a Prefect server (its start-up is excluded: deployments run against a long-lived one), then
+times in this process, medians of --repeat: the bare `merge_checkpoint`, a cold `promote_checkpoint`
+(fresh result storage), a rerun (every group cached), and an empty flow run (Prefect's fixed cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def start_server(home: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                               str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    for _ in range(120):
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=1)
+            return server, url
+        except OSError:
+            time.sleep(0.5)
+    server.terminate()
+    raise RuntimeError("Prefect server did not start")
+
+
+def timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=HERE / "_work")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    role = args.work / "ckpt-10-layers" / "global_step_1" / "actor"
+    if not role.exists():
+        sys.exit(f"{role} missing: run bench/bench_merge.py first")
+    server, url = start_server(args.work / "prefect-home")
+    os.environ.update(PREFECT_API_URL=url, PREFECT_LOGGING_LEVEL="WARNING")
+    try:
+        from prefect import flow
+
+        from flows.promote import promote_checkpoint
+        from mergecore import merge_checkpoint
+
+        @flow
+        def empty() -> None:
+            return None
+
+        subprocess.run(f"cat {role}/model_*.pt > /dev/null", shell=True, check=True)
+        out = args.work / "flow-out"
+        bare, cold, rerun, fixed = [], [], [], []
+        for i in range(args.repeat):
+            shutil.rmtree(out, ignore_errors=True)
+            bare.append(timed(lambda: merge_checkpoint(str(role), out, dtype="bf16")))
+            shutil.rmtree(out, ignore_errors=True)
+            os.environ["CKPTFLOW_RESULTS"] = str(args.work / f"flow-results-{time.time_ns()}")
+            cold.append(timed(lambda: promote_checkpoint(str(role), str(out), dtype="bf16")))
+            rerun.append(timed(lambda: promote_checkpoint(str(role), str(out), dtype="bf16")))
+            fixed.append(timed(empty))
+        med = {name: statistics.median(v) for name, v in
+               {"bare": bare, "cold": cold, "rerun": rerun, "fixed": fixed}.items()}
+        print(f"medians of {args.repeat} (10-layer bench checkpoint, bf16, warm page cache, server running)")
+        print(f"  bare merge_checkpoint        {med['bare']:6.2f} s")
+        print(f"  promote_checkpoint, cold     {med['cold']:6.2f} s   flow / bare = {med['cold'] / med['bare']:.2f}x (goal <= 1.2x)")
+        print(f"  promote_checkpoint, rerun    {med['rerun']:6.2f} s   (every group cached)")
+        print(f"  empty flow run               {med['fixed']:6.2f} s   (Prefect's fixed cost per run)")
+        beyond = max(0.0, med["rerun"] - 2 * med["fixed"])  # promote is a flow plus a subflow
+        print(f"  rerun beyond fixed cost: {beyond:.2f} s = {100 * beyond / med['bare']:.0f}% of a cold merge (goal <= 5%)")
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
