@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import task
@@ -11,6 +13,7 @@ from mergecore import finalize as finalize_folder
 from mergecore import merge_group as merge_one_group
 from mergecore.merge import refresh_published
 
+from .caching import results_folder
 from .sources import CheckpointRef, prepared_for
 
 
@@ -42,6 +45,18 @@ def finalize_model(ref: CheckpointRef, staging: str, target: str, overwrite: boo
     On a rerun whose weights are already published (no staging folder), only changed metadata is redone.
     """
     prepared = prepared_for(ref)
-    if not Path(staging).exists():
-        return refresh_published(prepared, Path(target))
-    return finalize_folder(prepared, Path(staging), Path(target), overwrite, extra={"groups_written": receipts})
+    with exclusive(results_folder(target) / "finalize.lock"):  # concurrent runs publish one at a time
+        if not Path(staging).exists():
+            return refresh_published(prepared, Path(target))
+        return finalize_folder(prepared, Path(staging), Path(target), overwrite, extra={"groups_written": receipts})
+
+
+@contextmanager
+def exclusive(lock_file: Path):
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
