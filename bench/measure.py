@@ -21,9 +21,12 @@ def _status_kib(pid: int) -> tuple[int, int]:
 
 
 def measure(argv: list[str], env: dict | None = None) -> dict:
-    """Wall seconds, peak RssAnon and peak VmRSS (MiB) of one process running `argv`."""
+    """Wall seconds, peak RssAnon and peak VmRSS (MiB) of one process running `argv`.
+
+    A program that prints `work_seconds=X` (its time after imports) gets that reported too.
+    """
     started = time.perf_counter()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     peak_anon = peak_total = 0
     while proc.poll() is None:
         try:
@@ -32,8 +35,10 @@ def measure(argv: list[str], env: dict | None = None) -> dict:
             break
         peak_anon, peak_total = max(peak_anon, anon), max(peak_total, total)
         time.sleep(0.002)
-    _, stderr = proc.communicate()
+    stdout, stderr = proc.communicate()
     seconds = time.perf_counter() - started
     if proc.returncode:
         raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {stderr.decode()[-2000:]}")
-    return {"seconds": seconds, "anon_mib": peak_anon / 1024, "rss_mib": peak_total / 1024}
+    work = [float(line.split("=")[1]) for line in stdout.decode().splitlines() if line.startswith("work_seconds=")]
+    return {"seconds": seconds, "work_seconds": work[-1] if work else seconds,
+            "anon_mib": peak_anon / 1024, "rss_mib": peak_total / 1024}

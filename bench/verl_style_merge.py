@@ -1,22 +1,18 @@
 """Baseline: the shape of verl's FSDP model merger. Load every rank fully, concatenate by placement,
 cast, then let transformers write the folder (`save_pretrained`) and copy the tokenizer."""
 
-import re
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed.tensor  # noqa: F401
+from naive_merge import load_and_concatenate
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 
 def main(role_dir: str, target: str) -> None:
-    files = sorted(Path(role_dir).glob("model_world_size_*_rank_*.pt"),
-                   key=lambda p: int(re.search(r"rank_(\d+)", p.name)[1]))
-    states = [torch.load(f, map_location="cpu", weights_only=True) for f in files]
-    merged = {}
-    for name, first in states[0].items():
-        merged[name] = torch.cat([s[name].to_local() for s in states], dim=first.placements[0].dim).bfloat16()
+    merged = load_and_concatenate(role_dir)
     hf_dir = Path(role_dir) / "huggingface"
     config = AutoConfig.from_pretrained(hf_dir)
     with torch.device("meta"):
@@ -26,4 +22,6 @@ def main(role_dir: str, target: str) -> None:
 
 
 if __name__ == "__main__":
+    started = time.perf_counter()
     main(*sys.argv[1:3])
+    print(f"work_seconds={time.perf_counter() - started:.3f}")

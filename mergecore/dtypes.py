@@ -46,3 +46,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def from_name(name: str) -> torch.dtype:
     return getattr(torch, name)
+
+
+def element_size(name: str) -> int:
+    """Bytes per element of a dtype named the torch way (`"bfloat16"` -> 2)."""
+    return torch.empty((), dtype=from_name(name)).element_size()

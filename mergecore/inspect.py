@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import torch
-
+from .dtypes import element_size
 from .formats import open_checkpoint
 from .layout import group_of
 
@@ -24,7 +23,7 @@ def describe_checkpoint(path: str, role: str = "actor", backend: str = "auto") -
         order[group] = key
         entry = groups.setdefault(group, {"group": group, "tensors": 0, "bytes": 0, "dtypes": set(), "layouts": set()})
         entry["tensors"] += 1
-        entry["bytes"] += info.numel * torch.empty((), dtype=getattr(torch, info.dtype)).element_size()
+        entry["bytes"] += info.numel * element_size(info.dtype)
         entry["dtypes"].add(info.dtype)
         entry["layouts"].add(info.layout)
     rows = [{**g, "dtypes": sorted(g["dtypes"]), "layouts": sorted(g["layouts"])}

@@ -77,13 +77,23 @@ def check_tied_embeddings(source: CheckpointSource, config: dict, requested: boo
             "set it to true if training tied the embeddings"
         )
     if tied and OUTPUT in names and EMBEDDING in names:
-        embed, head = source.read(EMBEDDING), source.read(OUTPUT)
-        if not bitwise_equal(embed, head):
+        if not same_values(source, EMBEDDING, OUTPUT):
             raise CheckpointError(
                 f"{source.location}: {OUTPUT} differs from {EMBEDDING} but {where} says tie_word_embeddings=true; "
                 "set it to false (the model was trained untied)"
             )
     return tied
+
+
+def same_values(source: CheckpointSource, a: str, b: str) -> bool:
+    """Whether two tensors hold the same values, compared shard by shard (no full copy of either)."""
+    pieces_a = {(p.source, p.offsets): p for p in source.pieces(a) if p.primary}
+    pieces_b = [p for p in source.pieces(b) if p.primary]
+    if source.tensors()[a].shape != source.tensors()[b].shape:
+        return False
+    if len(pieces_b) != len(pieces_a) or any((p.source, p.offsets) not in pieces_a for p in pieces_b):
+        return bitwise_equal(source.read(a), source.read(b))  # laid out differently: compare whole
+    return all(bitwise_equal(pieces_a[(p.source, p.offsets)].tensor, p.tensor) for p in pieces_b)
 
 
 def prepare(

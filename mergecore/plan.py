@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .dtypes import SAFETENSORS_NAME
+from .dtypes import SAFETENSORS_NAME, element_size
 from .errors import CheckpointError
 from .formats.base import TensorInfo
 from .layout import EMBEDDING, OUTPUT, group_of
@@ -87,10 +87,6 @@ def parse_size(text: str | int) -> int:
     return int(float(match[1]) * base ** " KMGT".index(match[2] or " "))
 
 
-def _element_size(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
-
-
 def make_plan(
     source: str,
     tensors: dict[str, TensorInfo],
@@ -115,7 +111,7 @@ def make_plan(
         source_dtype = getattr(torch, info.dtype)
         out_dtype = dtype if dtype is not None and source_dtype.is_floating_point else source_dtype
         out_name = str(out_dtype).removeprefix("torch.")
-        nbytes = info.numel * _element_size(out_name)
+        nbytes = info.numel * element_size(out_name)
         if file_sizes[-1] and file_sizes[-1] + nbytes > max_shard_size:
             file_sizes.append(0)
         group = group_of(name)[1]

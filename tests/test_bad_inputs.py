@@ -108,9 +108,9 @@ def test_non_empty_target_needs_overwrite(cli, demo, tmp_path):
     assert not (target / "keep.txt").exists() and (target / "config.json").exists()
 
 
-def test_upload_flags_are_refused_not_ignored(cli, demo, tmp_path):
-    result = merge(cli, demo("fsdp2-w2").role_dir, tmp_path / "out", "--hf_upload_path", "me/model")
-    assert_refused(result, tmp_path / "out", "--hf_upload_path")
+def test_private_without_an_upload_path_is_refused_not_ignored(cli, demo, tmp_path):
+    result = merge(cli, demo("fsdp2-w2").role_dir, tmp_path / "out", "--private")
+    assert_refused(result, tmp_path / "out", "--private only applies with --hf_upload_path")
 
 
 def test_value_model_flag_checked_against_config(cli, demo, tmp_path):

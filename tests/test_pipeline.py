@@ -146,3 +146,19 @@ def test_concurrent_runs_compute_each_group_once(prefect_server, demo_copy, tmp_
     from mergecore import verify_manifest
 
     assert verify_manifest(target)["ok"]
+
+
+def test_hub_token_from_a_prefect_secret_block(prefect_server, hub, demo, tmp_path, monkeypatch):
+    from prefect.blocks.system import Secret
+
+    from mergecore import CheckpointError
+    from tasks import push_to_hub
+
+    Secret(value="hf_alice").save("ckptflow-hub-token", overwrite=True)
+    monkeypatch.delenv("HF_TOKEN")
+    manifest = merge_checkpoint(str(demo("fsdp2-w2").role_dir), tmp_path / "model")
+    with pytest.raises(CheckpointError, match="HTTP 401"):
+        push_to_hub.fn(str(tmp_path / "model"), manifest, manifest["verification"], "alice/secret")
+    pushed = push_to_hub.fn(str(tmp_path / "model"), manifest, manifest["verification"], "alice/secret",
+                            token_secret="ckptflow-hub-token")
+    assert pushed["new_commit"] and "README.md" in hub.files("alice/secret")
