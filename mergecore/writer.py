@@ -32,7 +32,7 @@ def prepare_files(plan: MergePlan, folder: Path) -> list[str]:
         path.unlink(missing_ok=True)  # a new inode: never write through a hard link to published weights
         with open(path, "wb") as f:
             f.write(header)
-            f.truncate(size)
+            os.posix_fallocate(f.fileno(), 0, size)
         created.append(file)
     return created
 
