@@ -33,7 +33,7 @@ def model_card(manifest: dict, config: dict, checks: list[dict]) -> str:
               f"| dtype | {manifest['dtype']} |", "",
               "## Equivalence checks", "", "| check | result | details |", "|---|---|---|"]
     for check in checks:
-        if check["check"] == "manifest":  # re-hashing local files proves nothing new about the model
+        if check["check"].startswith("manifest"):  # re-checking local files proves nothing new about the model
             continue
         details = ", ".join(f"{k}={v}" for k, v in check.items() if k not in ("check", "ok", "rows"))
         lines.append(f"| {check['check']} | {'passed' if check['ok'] else 'FAILED'} | {details} |")

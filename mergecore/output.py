@@ -105,7 +105,8 @@ def write_metadata(source: CheckpointSource, config: dict, plan: MergePlan, fold
         "dtype": plan.dtype or "keep",
         "groups": plan.groups,
         "aliases": plan.aliases,
-        "files": {name: {"sha256": digests[name], "size": (folder / name).stat().st_size} for name in files},
+        "files": {name: {"sha256": digests[name], "size": (folder / name).stat().st_size,
+                         "mtime_ns": (folder / name).stat().st_mtime_ns} for name in files},
         **(extra or {}),
     }
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -77,3 +77,17 @@ def test_console_script_exit_code_in_a_real_process(tmp_path):
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "no checkpoint found" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_quick_manifest_check_notices_a_rewritten_file(demo, tmp_path):
+    from mergecore import VerificationError, merge_checkpoint, verify_manifest
+
+    out = tmp_path / "out"
+    merge_checkpoint(str(demo("fsdp2-w2").role_dir), out)
+    assert verify_manifest(out, full=False)["ok"]
+    config = out / "config.json"
+    config.write_text(config.read_text().replace("bfloat16", "float16"))
+    import pytest
+
+    with pytest.raises(VerificationError, match="config.json: differs"):
+        verify_manifest(out, full=False)

@@ -76,7 +76,7 @@ def test_interrupted_promotion_resumes_and_reruns_are_free(prefect_server, hub, 
     rerun = promote(ckpt, target, **options)
     assert merge_group_states()[-1] == {g: "Cached" for g in GROUPS}
     assert rerun["cached_groups"] == GROUPS
-    assert [c["check"] for c in rerun["checks"]] == ["round-trip", "manifest", "reference", "logits"]
+    assert [c["check"] for c in rerun["checks"]] == ["round-trip", "manifest (size, mtime)", "reference", "logits"]
     assert not rerun["hub"]["new_commit"] and len(hub.commits("alice/run1", branch="step-1")) == commits
 
     from prefect.client.orchestration import get_client
