@@ -28,14 +28,16 @@ def code_version() -> str:
     return digest({str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sources})[:16]
 
 
-def input_fingerprints(source: CheckpointSource) -> dict[str, dict]:
-    return {str(location): location.fingerprint() for location in source.input_files()}
+def input_fingerprints(source: CheckpointSource, names=None) -> dict[str, dict]:
+    return {str(location): location.fingerprint() for location in source.input_files(names)}
 
 
 def group_key(source: CheckpointSource, plan: MergePlan, group: str, staging: str | Path) -> str:
     """Cache key of one group's merge: equal keys mean equal bytes already at `staging`."""
+    names = [t.name for t in plan.in_group(group)]
+    names += [dropped for dropped, kept in plan.aliases.items() if kept in names]  # checked against it
     return digest({
-        "inputs": input_fingerprints(source),
+        "inputs": input_fingerprints(source, names),
         "group": [asdict(t) for t in plan.in_group(group)],
         "dtype": plan.dtype,
         "code": code_version(),

@@ -7,7 +7,7 @@ Everything downstream (planning, writing, verification, the pipeline) only sees 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +71,28 @@ class CheckpointSource(ABC):
         """Every saved slice of `name`, replicas included (they are checked, not merged)."""
 
     @abstractmethod
-    def input_files(self) -> list[Location]:
-        """The files merging reads (cache keys are built from their fingerprints)."""
+    def input_files(self, names: Iterable[str] | None = None) -> list[Location]:
+        """The files that hold `names` (all tensors when None); cache keys use their fingerprints."""
+
+    def check_round_trip(self, name: str, merged: torch.Tensor) -> int:
+        """Re-split `merged` (the output tensor holding `name`) as training saved it and compare every
+        saved piece bit for bit, cast to the output dtype. Returns the number of pieces compared.
+
+        Formats whose pieces are not plain boxes of the global tensor (Megatron's fused QKV, say)
+        override this with their inverse transforms.
+        """
+        from ..errors import VerificationError
+        from ..tensorio import bitwise_equal
+
+        count = 0
+        for piece in self.pieces(name):
+            if not bitwise_equal(merged[piece.index], piece.tensor.to(merged.dtype)):
+                raise VerificationError(
+                    f"{piece.source}: tensor {name} at offsets {piece.offsets} differs from the merged output; "
+                    "the merge is wrong: do not publish it (please report this)"
+                )
+            count += 1
+        return count
 
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The global tensor `name`, assembled from its primary pieces and cast to `dtype`.
