@@ -1,4 +1,4 @@
-"""`ckptflow`: merge, test, verify and inspect training checkpoints.
+"""`ckptflow`: merge, verify, inspect and promote training checkpoints as Hugging Face models.
 
 Flag spellings follow verl's `python -m verl.model_merger` (`--local_dir`, `--target_dir`, ...,
 dashed forms too), so verl users switch by changing the program name.
