@@ -162,3 +162,16 @@ def test_hub_token_from_a_prefect_secret_block(prefect_server, hub, demo, tmp_pa
     pushed = push_to_hub.fn(str(tmp_path / "model"), manifest, manifest["verification"], "alice/secret",
                             token_secret="ckptflow-hub-token")
     assert pushed["new_commit"] and "README.md" in hub.files("alice/secret")
+
+
+def test_promote_command(prefect_server, cli, demo, demo_copy, tmp_path):
+    ckpt = demo("fsdp2-w4-llama-tied")
+    result = cli("promote", ckpt.run_root, "--target", tmp_path / "model", "--reference", ckpt.reference_dir)
+    assert result.exit_code == 0, result.output
+    assert f"verified model: {tmp_path / 'model'}" in result.stdout and "logits" in result.stdout
+
+    broken = demo_copy("fsdp2-w2")
+    (broken.role_dir / "huggingface" / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 32}')
+    result = cli("promote", broken.run_root, "--target", tmp_path / "broken")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "hidden_size" in result.stderr
+    assert not (tmp_path / "broken").exists()

@@ -1,0 +1,213 @@
+"""Megatron-core parameter names -> Hugging Face names, per architecture, as plain data.
+
+Each table row reads `megatron pattern: (hf pattern or tuple of hf patterns, transform kind)`;
+`{}` is a number (the layer, then the expert) and appears in the same order on both sides.
+A tuple of Hugging Face patterns means the Megatron tensor fuses several HF tensors, in the order
+of the transform's parts (`qkv`: q, k, v; `gated`: gate, up). Kinds are in `mergecore.transforms`.
+
+Row order matters only when two Megatron names give the same HF name (fused or separate layer
+norms, say): the first row is the canonical one (what the test fixtures write); the others are
+alternatives read as well. Layer indices in a Megatron file are local to its pipeline chunk; the
+reader shifts them to global ones.
+
+Add a family by adding a table; add a one-off parameter with `--custom-mapping FILE`:
+
+    {"decoder.layers.{}.mlp.my_bias": ["model.layers.{}.mlp.my_bias", "replicated"]}
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .errors import CheckpointError
+from .transforms import KINDS
+
+Row = tuple[str | tuple[str, ...], str]
+Table = dict[str, Row]
+
+L = "decoder.layers.{}."
+H = "model.layers.{}."
+
+
+def _qkv(suffix: str) -> tuple[str, str, str]:
+    return tuple(f"{H}self_attn.{p}_proj.{suffix}" for p in "qkv")
+
+
+EMBEDDING_ROWS: Table = {
+    "embedding.word_embeddings.weight": ("model.embed_tokens.weight", "vocab"),
+}
+
+ATTENTION_ROWS: Table = {
+    L + "self_attention.linear_qkv.layer_norm_weight": (H + "input_layernorm.weight", "replicated"),
+    L + "input_layernorm.weight": (H + "input_layernorm.weight", "replicated"),  # unfused (local spec)
+    L + "self_attention.linear_qkv.weight": (_qkv("weight"), "qkv"),
+    L + "self_attention.linear_proj.weight": (H + "self_attn.o_proj.weight", "row"),
+}
+
+QKV_BIAS_ROWS: Table = {
+    L + "self_attention.linear_qkv.bias": (_qkv("bias"), "qkv"),
+}
+
+QK_NORM_ROWS: Table = {
+    L + "self_attention.q_layernorm.weight": (H + "self_attn.q_norm.weight", "replicated"),
+    L + "self_attention.k_layernorm.weight": (H + "self_attn.k_norm.weight", "replicated"),
+}
+
+DENSE_MLP_ROWS: Table = {
+    L + "mlp.linear_fc1.layer_norm_weight": (H + "post_attention_layernorm.weight", "replicated"),
+    L + "pre_mlp_layernorm.weight": (H + "post_attention_layernorm.weight", "replicated"),  # unfused
+    L + "mlp.linear_fc1.weight": ((H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), "gated"),
+    L + "mlp.linear_fc2.weight": (H + "mlp.down_proj.weight", "row"),
+}
+
+_EXPERT = H + "mlp.experts.{}."
+MOE_ROWS: Table = {
+    L + "pre_mlp_layernorm.weight": (H + "post_attention_layernorm.weight", "replicated"),
+    L + "mlp.router.weight": (H + "mlp.gate.weight", "replicated"),
+    # SequentialMLP: one module per local expert
+    L + "mlp.experts.local_experts.{}.linear_fc1.weight": ((_EXPERT + "gate_proj.weight", _EXPERT + "up_proj.weight"), "gated"),
+    L + "mlp.experts.local_experts.{}.linear_fc2.weight": (_EXPERT + "down_proj.weight", "row"),
+    # TEGroupedMLP: one weight per local expert, numbered after the name
+    L + "mlp.experts.linear_fc1.weight{}": ((_EXPERT + "gate_proj.weight", _EXPERT + "up_proj.weight"), "gated"),
+    L + "mlp.experts.linear_fc2.weight{}": (_EXPERT + "down_proj.weight", "row"),
+}
+
+SHARED_EXPERT_ROWS: Table = {
+    L + "mlp.shared_experts.linear_fc1.weight": (
+        (H + "mlp.shared_expert.gate_proj.weight", H + "mlp.shared_expert.up_proj.weight"), "gated"),
+    L + "mlp.shared_experts.linear_fc2.weight": (H + "mlp.shared_expert.down_proj.weight", "row"),
+    L + "mlp.shared_experts.gate_weight": (H + "mlp.shared_expert_gate.weight", "replicated"),
+}
+
+HEAD_ROWS: Table = {
+    "decoder.final_layernorm.weight": ("model.norm.weight", "replicated"),
+    "output_layer.weight": ("lm_head.weight", "vocab"),
+}
+
+# A value model (verl critic): the output layer has one row per label, replicated over TP ranks.
+VALUE_HEAD_ROWS: Table = {
+    "output_layer.weight": ("score.weight", "replicated"),
+    "output_layer.bias": ("score.bias", "replicated"),
+}
+
+TABLES: dict[str, Table] = {
+    "llama": {**EMBEDDING_ROWS, **ATTENTION_ROWS, **DENSE_MLP_ROWS, **HEAD_ROWS},
+    "mistral": {**EMBEDDING_ROWS, **ATTENTION_ROWS, **DENSE_MLP_ROWS, **HEAD_ROWS},
+    "qwen2": {**EMBEDDING_ROWS, **ATTENTION_ROWS, **QKV_BIAS_ROWS, **DENSE_MLP_ROWS, **HEAD_ROWS},
+    "qwen3": {**EMBEDDING_ROWS, **ATTENTION_ROWS, **QK_NORM_ROWS, **DENSE_MLP_ROWS, **HEAD_ROWS},
+    "qwen2_moe": {**EMBEDDING_ROWS, **ATTENTION_ROWS, **QKV_BIAS_ROWS, **MOE_ROWS, **SHARED_EXPERT_ROWS,
+                  **DENSE_MLP_ROWS, **HEAD_ROWS},
+    "qwen3_moe": {**EMBEDDING_ROWS, **ATTENTION_ROWS, **QK_NORM_ROWS, **MOE_ROWS, **DENSE_MLP_ROWS, **HEAD_ROWS},
+}
+
+# Parameters that are not weights: never mapped, never merged.
+SKIPPED = re.compile(r"(?:^|\.)_extra_state$|(?:^|\.)rotary_pos_emb\.inv_freq$")
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """One Megatron key resolved: the row it matched and the numbers in it."""
+
+    pattern: str
+    hf_patterns: tuple[str, ...]
+    kind: str
+    indices: tuple[int, ...]
+
+    @property
+    def is_layer(self) -> bool:
+        return self.pattern.startswith(L)
+
+    def hf_names(self, indices: tuple[int, ...] | None = None) -> tuple[str, ...]:
+        """The HF names, with `indices` (default: the Megatron ones) filled in."""
+        values = self.indices if indices is None else indices
+        return tuple(p.format(*values) for p in self.hf_patterns)
+
+
+def _compile(pattern: str) -> re.Pattern:
+    return re.compile("^" + re.escape(pattern).replace(r"\{\}", r"(\d+)") + "$")
+
+
+@lru_cache(maxsize=64)
+def _compiled(items: tuple) -> list[tuple[re.Pattern, str, tuple[str, ...], str]]:
+    return [(_compile(p), p, hf, kind) for p, hf, kind in items]
+
+
+def freeze(table: Table) -> tuple:
+    """A table as a hashable tuple of (pattern, hf patterns, kind)."""
+    return tuple((p, (hf,) if isinstance(hf, str) else tuple(hf), kind) for p, (hf, kind) in table.items())
+
+
+def table_for(config: dict, custom: Table | None = None, value_model: bool = False) -> Table:
+    """The table for config.json's `model_type`, custom rows first; a value model maps the output layer to `score`."""
+    model_type = config.get("model_type")
+    base = TABLES.get(model_type)
+    if base is None and not custom:
+        raise CheckpointError(
+            f"model_type {model_type!r} has no Megatron mapping table (known: {', '.join(TABLES)}); "
+            "pass --custom-mapping FILE with its parameter names"
+        )
+    table = dict(custom or {})
+    for pattern, row in (base or {}).items():
+        if value_model and pattern in HEAD_ROWS and pattern.startswith("output_layer"):
+            continue
+        table.setdefault(pattern, row)
+    if value_model:
+        for pattern, row in VALUE_HEAD_ROWS.items():
+            table.setdefault(pattern, row)
+    return table
+
+
+def resolve(key: str, table: Table, where: str = "") -> Mapped:
+    """The row `key` matches (first match wins), or a one-line CheckpointError naming the key."""
+    for regex, pattern, hf, kind in _compiled(freeze(table)):
+        match = regex.match(key)
+        if match:
+            return Mapped(pattern, hf, kind, tuple(int(g) for g in match.groups()))
+    raise CheckpointError(
+        f"{where + ': ' if where else ''}parameter {key} has no Hugging Face name in the mapping table; "
+        f"map it with --custom-mapping FILE (JSON or YAML: {{\"<megatron pattern with {{}}>\": "
+        "[\"<hf pattern>\", \"column|row|replicated|vocab|qkv|gated\"]}})"
+    )
+
+
+def load_custom_mapping(path: str) -> Table:
+    """Extra rows from a JSON or YAML file: `{megatron pattern: [hf pattern(s), kind]}`
+    (or `{megatron pattern: {"hf": ..., "kind": ...}}`)."""
+    from .storage import Location
+
+    location = Location.of(path)
+    if not location.exists():
+        raise CheckpointError(f"--custom-mapping {path}: does not exist")
+    text = location.read_text()
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as err:  # noqa: BLE001 - any parse error is the user's file
+        raise CheckpointError(f"--custom-mapping {path}: cannot be parsed ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"--custom-mapping {path}: must map Megatron patterns to [hf pattern, kind]")
+    table: Table = {}
+    for pattern, row in data.items():
+        if isinstance(row, dict):
+            row = [row.get("hf"), row.get("kind")]
+        if not (isinstance(row, (list, tuple)) and len(row) == 2 and row[1] in KINDS
+                and (isinstance(row[0], str) or (isinstance(row[0], list) and all(isinstance(h, str) for h in row[0])))):
+            raise CheckpointError(
+                f"--custom-mapping {path}: entry {pattern!r} must be [hf pattern (or list), kind] with kind one of "
+                f"{', '.join(KINDS)}"
+            )
+        hf = row[0] if isinstance(row[0], str) else tuple(row[0])
+        for name in (hf,) if isinstance(hf, str) else hf:
+            if name.count("{}") != pattern.count("{}"):
+                raise CheckpointError(
+                    f"--custom-mapping {path}: entry {pattern!r} -> {name!r} has a different number of {{}} placeholders"
+                )
+        table[str(pattern)] = (hf, row[1])
+    return table
