@@ -21,7 +21,7 @@ import torch
 
 __all__ = [
     "Transform", "ColumnParallel", "RowParallel", "Replicated", "VocabParallel", "FusedQKV", "GatedMLP",
-    "pad_vocab",
+    "ReplicatedGatedMLP", "pad_vocab", "make_transform",
 ]
 
 
@@ -37,6 +37,7 @@ class Transform:
     parts: tuple[str, ...] = ("",)
     dim = 0
     kind = "column"
+    replicated = False  # every rank holds the whole tensor: merging reads rank 0, the others are checked
 
     # ---- one part, one rank at a time (what the reader uses) ----------------------------------
     def extract(self, piece: torch.Tensor, part: str = "") -> torch.Tensor:
@@ -118,6 +119,7 @@ class Replicated(Transform):
     """
 
     kind = "replicated"
+    replicated = True
 
     def combine(self, slices, part=""):
         return slices[0]
@@ -271,6 +273,29 @@ class GatedMLP(Transform):
 
     def global_shape(self, piece_shape, tp, part="gate"):
         return (piece_shape[0] // 2 * tp, *piece_shape[1:])
+
+
+class ReplicatedGatedMLP(GatedMLP):
+    """`[gate; up]` held whole by every rank: MoE experts trained with expert_tensor_parallel_size=1 under TP > 1.
+
+    >>> t = ReplicatedGatedMLP(); parts = {"gate": torch.tensor([0., 1]), "up": torch.tensor([2., 3])}
+    >>> [p.tolist() for p in t.split(parts, 2)]
+    [[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0]]
+    """
+
+    replicated = True
+
+    def combine(self, slices, part="gate"):
+        return slices[0]
+
+    def scatter(self, tensor, tp, part="gate"):
+        return [tensor] * tp
+
+    def local_shape(self, shapes, tp):
+        return (2 * shapes["gate"][0], *shapes["gate"][1:])
+
+    def global_shape(self, piece_shape, tp, part="gate"):
+        return (piece_shape[0] // 2, *piece_shape[1:])
 
 
 def make_transform(kind: str, config: dict) -> Transform:

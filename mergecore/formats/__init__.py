@@ -12,18 +12,22 @@ from ..errors import CheckpointError
 from ..storage import Location
 from .base import CheckpointSource, Piece, TensorInfo
 from .fsdp import FsdpCheckpoint, has_rank_files
+from .megatron_legacy import MegatronLegacyCheckpoint, has_mp_rank_folders
 
 __all__ = ["CheckpointSource", "Piece", "TensorInfo", "open_checkpoint", "find_role_folder"]
 
 STEP_FOLDER = re.compile(r"^global_step_(\d+)$")
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 
-# backend name -> (test on a folder's entry names, reader class). Megatron formats join here.
-FORMATS = {"fsdp": (has_rank_files, FsdpCheckpoint)}
+# backend name -> (test on a folder's entry names and the folder, reader class).
+FORMATS = {
+    "fsdp": (lambda names, folder: has_rank_files(names), FsdpCheckpoint),
+    "megatron": (has_mp_rank_folders, MegatronLegacyCheckpoint),
+}
 
 
-def _is_checkpoint(names: list[str]) -> bool:
-    return any(test(names) for test, _ in FORMATS.values())
+def _is_checkpoint(names: list[str], folder: Location) -> bool:
+    return any(test(names, folder) for test, _ in FORMATS.values())
 
 
 def find_role_folder(location: Location, role: str = "actor") -> tuple[Location, int | None]:
@@ -32,7 +36,7 @@ def find_role_folder(location: Location, role: str = "actor") -> tuple[Location,
     if not names and not location.exists():
         raise CheckpointError(f"{location}: does not exist; check the path (local path or fsspec URL)")
     step_match = STEP_FOLDER.match(location.name)
-    if _is_checkpoint(names):
+    if _is_checkpoint(names, location):
         parent = STEP_FOLDER.match(location.parent.name)
         return location, int(parent[1]) if parent else None
     if step_match:
@@ -48,8 +52,8 @@ def find_role_folder(location: Location, role: str = "actor") -> tuple[Location,
     if steps:
         return find_role_folder(location.join(steps[-1][1]), role)
     raise CheckpointError(
-        f"{location}: no checkpoint found (expected model_world_size_W_rank_R.pt files, global_step_N folders "
-        f"or {LATEST_FILE}); point --local_dir at the actor folder of a verl checkpoint"
+        f"{location}: no checkpoint found (expected model_world_size_W_rank_R.pt files, model/mp_rank_* folders, "
+        f"global_step_N folders or {LATEST_FILE}); point --local_dir at the actor folder of a verl checkpoint"
     )
 
 
@@ -69,6 +73,6 @@ def open_checkpoint(
         if entry is None:
             raise CheckpointError(f"--backend {backend} is not supported; use one of: auto, {', '.join(FORMATS)}")
         test, reader = entry
-        if test(names):
+        if test(names, folder):
             return reader(folder, Location.of(hf_dir) if hf_dir else None, step=step)
     raise CheckpointError(f"{folder}: is not a {backend} checkpoint; try --backend auto")

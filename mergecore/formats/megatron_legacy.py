@@ -1,0 +1,622 @@
+"""verl's legacy Megatron checkpoints: `<role>/model/mp_rank_TT[_PPP]/model.pt`, read without megatron-core.
+
+Each `model.pt` holds one TP x PP rank's model state, as a list of per-virtual-pipeline-chunk state
+dicts (verl). Also read: a dict with `"model"` (a state dict or a list) or `"model0"`, `"model1"`...
+(Megatron-LM's own files). Layer indices restart at 0 in every chunk; chunk `v` of pipeline rank `p`
+comes at position `v * PP + p` in the model, so layer offsets are the layer counts of the chunks
+before it in that order (uneven stages included). Chunks already numbered globally are accepted too.
+
+Names are mapped by the tables of `mergecore.megatron_maps`; values are merged by the transforms of
+`mergecore.transforms`, one Hugging Face tensor at a time (a layer's q_proj reads that layer's QKV
+piece of each TP rank, nothing else). `check_round_trip` applies the inverse transform to the
+merged output and compares it with every saved piece, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from ..errors import CheckpointError, VerificationError
+from ..megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
+from ..storage import Location
+from ..tensorio import bitwise_equal
+from ..transforms import Replicated, ReplicatedGatedMLP, Transform, VocabParallel, make_transform
+from .base import CheckpointSource, Piece, TensorInfo
+from .safe_unpickle import Record, RestrictedUnpickler
+
+RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+MODEL_FILE = "model.pt"
+
+
+def has_mp_rank_folders(names: list[str], folder: Location | None = None) -> bool:
+    """A role folder holding `model/mp_rank_*` folders (only `model/` is checked without `folder`)."""
+    if "model" not in names:
+        return False
+    if folder is None:
+        return True
+    return any(RANK_DIR.match(n) for n in folder.join("model").listdir())
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+_INERT_PREFIXES = ("megatron.", "transformer_engine.", "numpy.")
+_INERT_NAMES = {("argparse", "Namespace"), ("types", "SimpleNamespace"), ("_io", "BytesIO"), ("io", "BytesIO")}
+_PURE = {("_codecs", "encode"): __import__("codecs").encode, ("builtins", "set"): set,
+         ("builtins", "frozenset"): frozenset}
+_inert_types: dict[tuple[str, str], type] = {}
+
+
+class _MegatronUnpickler(RestrictedUnpickler):
+    """safe_unpickle's allow-list, plus inert stand-ins for what Megatron files carry beside tensors
+    (the `args` Namespace, enums, TransformerEngine's BytesIO extra state): they become `Record`s
+    that only hold their pickled fields; nothing of theirs is ever imported or called."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _PURE:
+            return _PURE[(module, name)]
+        if (module, name) in _INERT_NAMES or module.startswith(_INERT_PREFIXES):
+            return _inert_types.setdefault((module, name), type(name, (Record,), {"__module__": "inert." + module}))
+        return super().find_class(module, name)
+
+
+def _load_pickle(path: str):
+    import types
+
+    module = types.SimpleNamespace(Unpickler=_MegatronUnpickler, load=lambda f, **kw: _MegatronUnpickler(f, **kw).load(),
+                                   __name__="megatron_restricted_pickle")
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True, pickle_module=module)
+
+
+def load_model_file(path: str, shown_as: str):
+    """A `model.pt`, tensors mmapped: `weights_only` first, then the restricted unpickler."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        pass
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise CheckpointError(
+            f"{shown_as}: cannot be read ({str(err).splitlines()[0]}); the file is truncated or not a torch "
+            "checkpoint: copy it again from where training saved it"
+        ) from None
+    try:
+        return _load_pickle(path)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{shown_as}: refused to unpickle ({str(err).splitlines()[0]}); ckptflow only loads tensors, never "
+            "arbitrary objects"
+        ) from None
+
+
+def model_chunks(obj, shown_as: str) -> list[dict[str, torch.Tensor]]:
+    """The per-virtual-stage state dicts of a loaded `model.pt`, weights only (extra state dropped)."""
+    if isinstance(obj, (list, tuple)):
+        chunks = list(obj)
+    elif isinstance(obj, dict) and "model" in obj:
+        chunks = list(obj["model"]) if isinstance(obj["model"], (list, tuple)) else [obj["model"]]
+    elif isinstance(obj, dict) and "model0" in obj:
+        chunks, v = [], 0
+        while f"model{v}" in obj:
+            chunks.append(obj[f"model{v}"])
+            v += 1
+    elif isinstance(obj, dict) and obj and all(isinstance(k, str) for k in obj) and any(
+            isinstance(v, torch.Tensor) for v in obj.values()):
+        chunks = [obj]
+    else:
+        found = ", ".join(map(str, list(obj)[:5])) if isinstance(obj, dict) else type(obj).__name__
+        raise CheckpointError(
+            f"{shown_as}: holds no model state (expected a list of state dicts, or a dict with 'model' or "
+            f"'model0'; found {found}); point --local_dir at the role folder of a verl Megatron checkpoint"
+        )
+    if not chunks:
+        raise CheckpointError(f"{shown_as}: holds an empty list of model chunks; the save was incomplete")
+    cleaned = []
+    for v, chunk in enumerate(chunks):
+        if not isinstance(chunk, dict):
+            raise CheckpointError(f"{shown_as}: model chunk {v} is a {type(chunk).__name__}, not a state dict")
+        state = {}
+        for key, value in chunk.items():
+            name = str(key)
+            while name.startswith("module."):
+                name = name[len("module."):]
+            if SKIPPED.search(name) or value is None:
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"{shown_as}: entry {name} of model chunk {v} is a {type(value).__name__}, not a tensor")
+            state[name] = value
+        cleaned.append(state)
+    return cleaned
+
+
+# ---- the index: HF name -> where its pieces are ------------------------------------------------
+
+@dataclass(frozen=True)
+class Entry:
+    """One Hugging Face tensor: which Megatron key of which pipeline chunk holds it, and how."""
+
+    name: str
+    pp: int
+    vpp: int
+    key: str
+    part: str
+    transform: Transform
+    mapped: Mapped
+
+
+class MegatronLegacyCheckpoint(CheckpointSource):
+    format_name = "verl-megatron-legacy"
+
+    def __init__(self, location: Location, hf_dir: Location | None = None, step: int | None = None,
+                 custom_mapping: str | None = None):
+        self.location = location
+        self.model_dir = location.join("model")
+        if hf_dir is None:
+            hf_dir = location.join("huggingface")
+            nested = self.model_dir.join("huggingface")
+            if not hf_dir.join("config.json").exists() and nested.join("config.json").exists():
+                hf_dir = nested
+        self.hf_dir = hf_dir
+        self.step = step
+        self.custom_mapping = custom_mapping
+        self.tp, self.pp, self._rank_dirs = self._find_ranks()
+        self._states: dict[tuple[int, int], list[dict]] = {}
+        self._lock = threading.Lock()
+
+    # ---- discovery -----------------------------------------------------------------------------
+
+    def _find_ranks(self) -> tuple[int, int, dict[tuple[int, int], str]]:
+        found: dict[tuple[int, int], str] = {}
+        with_pp = set()
+        for name in self.model_dir.listdir():
+            match = RANK_DIR.match(name)
+            if not match:
+                continue
+            if match[3] is not None:
+                raise CheckpointError(
+                    f"{self.model_dir.join(name)}: expert-parallel legacy checkpoints (mp_rank_TT_PPP_EEE) are not "
+                    "supported yet; save with expert_model_parallel_size=1 or use a dist_ckpt save"
+                )
+            with_pp.add(match[2] is not None)
+            found[(int(match[1]), int(match[2] or 0))] = name
+        if not found:
+            raise CheckpointError(
+                f"{self.model_dir}: no mp_rank_TT[_PPP] folders; point --local_dir at the actor/critic folder of a "
+                "verl Megatron checkpoint"
+            )
+        if len(with_pp) > 1:
+            raise CheckpointError(
+                f"{self.model_dir}: mixes mp_rank_TT and mp_rank_TT_PPP folders; they come from different saves: "
+                "remove the stale ones"
+            )
+        tp = max(t for t, _ in found) + 1
+        pp = max(p for _, p in found) + 1
+        for p in range(pp):
+            for t in range(tp):
+                if (t, p) not in found:
+                    missing = f"mp_rank_{t:02d}" + (f"_{p:03d}" if True in with_pp else "")
+                    raise CheckpointError(
+                        f"{self.model_dir.join(missing)}: missing (TP={tp}, PP={pp} needs every mp_rank folder); the "
+                        "save was incomplete: copy every mp_rank_* folder of the checkpoint"
+                    )
+        for key, name in found.items():
+            if not self.model_dir.join(name, MODEL_FILE).exists():
+                raise CheckpointError(
+                    f"{self.model_dir.join(name, MODEL_FILE)}: missing; the save was incomplete: copy the whole "
+                    "mp_rank folder again"
+                )
+        return tp, pp, found
+
+    def file(self, tp_rank: int, pp_rank: int) -> Location:
+        return self.model_dir.join(self._rank_dirs[(tp_rank, pp_rank)], MODEL_FILE)
+
+    def _shown(self, tp_rank: int, pp_rank: int) -> str:
+        return str(self.file(tp_rank, pp_rank))
+
+    def chunks(self, tp_rank: int, pp_rank: int) -> list[dict[str, torch.Tensor]]:
+        """The state dicts (one per virtual stage) of one rank's file; tensors stay mmapped."""
+        key = (tp_rank, pp_rank)
+        if key not in self._states:
+            with self._lock:
+                if key not in self._states:
+                    location = self.file(tp_rank, pp_rank)
+                    loaded = load_model_file(location.local_file(), str(location))
+                    self._states[key] = model_chunks(loaded, str(location))
+        return self._states[key]
+
+    @cached_property
+    def config(self) -> dict:
+        config_file = self.hf_dir.join("config.json") if self.hf_dir else None
+        if config_file is None or not config_file.exists():
+            raise CheckpointError(
+                f"{config_file or self.location}: no config.json; the checkpoint lacks its huggingface/ folder: "
+                "pass --hf_model_path pointing at the base model's folder"
+            )
+        try:
+            return json.loads(config_file.read_text())
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{config_file}: not valid JSON ({err}); restore it from the base model") from None
+
+    @cached_property
+    def vpp(self) -> int:
+        sizes = {(t, p): len(self.chunks(t, p)) for p in range(self.pp) for t in range(self.tp)}
+        first = sizes[(0, 0)]
+        for (t, p), size in sizes.items():
+            if size != first:
+                raise CheckpointError(
+                    f"{self._shown(t, p)}: holds {size} virtual pipeline chunks but {self._shown(0, 0)} holds {first}; "
+                    "the rank files come from different saves: re-copy the checkpoint"
+                )
+        return first
+
+    def chunk_order(self) -> list[tuple[int, int]]:
+        """(pp rank, virtual stage) of every model chunk, in model order."""
+        return [(p, v) for v in range(self.vpp) for p in range(self.pp)]
+
+    def _is_value_model(self) -> bool:
+        architectures = self.config.get("architectures") or [""]
+        if str(architectures[0]).endswith(("ForTokenClassification", "ForSequenceClassification")):
+            return True
+        last = self.chunks(0, self.pp - 1)[-1]
+        output = last.get("output_layer.weight")
+        vocab = self.config.get("vocab_size")
+        return output is not None and output.shape[0] == 1 and vocab is not None and int(vocab) > 1
+
+    @cached_property
+    def _table(self):
+        custom = load_custom_mapping(self.custom_mapping) if self.custom_mapping else None
+        return table_for(self.config, custom, self._is_value_model())
+
+    @cached_property
+    def _layer_spans(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(first saved layer index, layer count) of every chunk."""
+        spans = {}
+        for p, v in self.chunk_order():
+            shown = f"{self._shown(0, p)} (chunk {v})"
+            mapped = [resolve(k, self._table, shown) for k in self.chunks(0, p)[v]]
+            local = {m.indices[0] for m in mapped if m.is_layer}
+            first = min(local, default=0)
+            if local != set(range(first, first + len(local))):
+                gap = min(set(range(first, max(local) + 1)) - local)
+                raise CheckpointError(
+                    f"{shown}: has decoder layers {sorted(local)} but no layer {gap}; the file is damaged or from "
+                    "another save"
+                )
+            spans[(p, v)] = (first, len(local))
+        return spans
+
+    @cached_property
+    def layers_per_chunk(self) -> dict[tuple[int, int], int]:
+        return {chunk: count for chunk, (_, count) in self._layer_spans.items()}
+
+    @cached_property
+    def _layer_shifts(self) -> dict[tuple[int, int], int]:
+        """What to add to a chunk's saved layer indices: its offset when they restart at 0 (legacy
+        Megatron), nothing when they are global already (some savers renumber layers)."""
+        shifts, offset = {}, 0
+        for chunk in self.chunk_order():
+            first, count = self._layer_spans[chunk]
+            if first == 0:
+                shifts[chunk] = offset
+            elif first == offset:
+                shifts[chunk] = 0
+            else:
+                p, v = chunk
+                raise CheckpointError(
+                    f"{self._shown(0, p)} (chunk {v}): decoder layers start at {first}, neither 0 (local numbering) nor "
+                    f"{offset} (global numbering after the chunks before it); the files are from different saves"
+                )
+            offset += count
+        return shifts
+
+    def _make_transform(self, mapped: Mapped, piece: torch.Tensor) -> Transform:
+        kind = mapped.kind
+        try:
+            if kind == "vocab":
+                return VocabParallel(int(self.config["vocab_size"]), padded_size=piece.shape[0] * self.tp)
+            moe = self.config.get("moe_intermediate_size")
+            if self.tp > 1 and ".mlp.experts." in mapped.pattern and isinstance(moe, int) and kind in ("gated", "row"):
+                # expert_tensor_parallel_size=1: every TP rank holds whole experts
+                if kind == "gated" and piece.shape[0] == 2 * moe:
+                    return ReplicatedGatedMLP()
+                if kind == "row" and piece.dim() == 2 and piece.shape[1] == moe:
+                    return Replicated()
+            return make_transform(kind, self.config)
+        except (KeyError, ValueError) as err:
+            raise CheckpointError(f"{self.hf_dir.join('config.json')}: cannot size a {kind} tensor ({err})") from None
+
+    @cached_property
+    def _entries(self) -> dict[str, Entry]:
+        entries: dict[str, Entry] = {}
+        for p, v in self.chunk_order():
+            shown = f"{self._shown(0, p)} (chunk {v})"
+            for key, value in self.chunks(0, p)[v].items():
+                mapped = resolve(key, self._table, shown)
+                indices = mapped.indices
+                if mapped.is_layer:
+                    indices = (indices[0] + self._layer_shifts[(p, v)], *indices[1:])
+                transform = self._make_transform(mapped, value)
+                names = mapped.hf_names(indices)
+                if len(names) != len(transform.parts):
+                    raise CheckpointError(
+                        f"{shown}: {key} maps to {len(names)} Hugging Face names but a {mapped.kind} tensor holds "
+                        f"{len(transform.parts)} ({', '.join(transform.parts)}); fix the mapping"
+                    )
+                for part, name in zip(transform.parts, names):
+                    if name in entries:
+                        other = entries[name]
+                        raise CheckpointError(
+                            f"{shown}: {key} and {other.key} (in {self._shown(0, other.pp)} chunk {other.vpp}) both "
+                            f"give {name}; the checkpoint holds a parameter twice: remove one or fix the mapping"
+                        )
+                    entries[name] = Entry(name, p, v, key, part, transform, mapped)
+        return entries
+
+    # ---- the seam ------------------------------------------------------------------------------
+
+    def _piece(self, tp_rank: int, entry: Entry) -> torch.Tensor:
+        state = self.chunks(tp_rank, entry.pp)[entry.vpp]
+        if entry.key not in state:
+            raise CheckpointError(
+                f"{self._shown(tp_rank, entry.pp)}: chunk {entry.vpp} has no {entry.key} (TP rank 0 has it); the rank "
+                "files come from different saves: re-copy the checkpoint"
+            )
+        return state[entry.key]
+
+    @cached_property
+    def _infos(self) -> dict[str, TensorInfo]:
+        infos = {}
+        for name, entry in self._entries.items():
+            piece = self._piece(0, entry)
+            try:
+                shape = entry.transform.global_shape(tuple(piece.shape), self.tp, entry.part)
+            except (ValueError, RuntimeError) as err:
+                raise CheckpointError(f"{self._shown(0, entry.pp)}: {entry.key}: {err}") from None
+            layout = f"{entry.transform!r} over TP {self.tp}: {entry.key}"
+            infos[name] = TensorInfo(name, shape, str(piece.dtype).removeprefix("torch."), layout)
+        return infos
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        return self._infos
+
+    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        entry = self._entries[name]
+        ranks = [0] if entry.transform.replicated else range(self.tp)
+        slices = [entry.transform.extract(self._piece(t, entry), entry.part) for t in ranks]
+        merged = entry.transform.combine(slices, entry.part)
+        return (merged.to(dtype) if dtype is not None else merged).contiguous()
+
+    def check_round_trip(self, name: str, merged: torch.Tensor) -> int:
+        """Split `merged` with the inverse transform and compare each TP rank's saved piece (its `part`
+        rows, vocabulary padding excluded) bit for bit, cast to `merged.dtype`. Over q, k and v (gate
+        and up) every saved element of a fused tensor is compared once."""
+        entry = self._entries[name]
+        transform = entry.transform
+        expected = transform.scatter(merged, self.tp, entry.part)
+        for t in range(self.tp):
+            saved = transform.extract(self._piece(t, entry), entry.part).to(merged.dtype)
+            if not bitwise_equal(transform.trim(expected[t], t, self.tp), transform.trim(saved, t, self.tp)):
+                what = f" ({entry.part} part)" if entry.part else ""
+                raise VerificationError(
+                    f"{self._shown(t, entry.pp)}: {entry.key}{what} in model chunk {entry.vpp} differs from the merged "
+                    f"{name}; the merge is wrong: do not publish it (please report this)"
+                )
+        return self.tp
+
+    def pieces(self, name: str) -> Iterator[Piece]:
+        """Each TP rank's slice of `name`, placed in the Hugging Face tensor (vocab padding cut off)."""
+        entry = self._entries[name]
+        transform = entry.transform
+        info = self.tensors()[name]
+        position = 0
+        for t in range(self.tp):
+            piece = transform.trim(transform.extract(self._piece(t, entry), entry.part), t, self.tp)
+            shown = self._shown(t, entry.pp)
+            if transform.replicated:
+                yield Piece(shown, (0,) * piece.dim(), tuple(piece.shape), piece, primary=t == 0)
+                continue
+            offsets = [0] * piece.dim()
+            offsets[transform.dim] = position
+            position += piece.shape[transform.dim]
+            sizes = list(info.shape)
+            sizes[transform.dim] = piece.shape[transform.dim]
+            yield Piece(shown, tuple(offsets), tuple(sizes), piece)
+
+    def input_files(self, names: Iterable[str] | None = None) -> list[Location]:
+        if names is None:
+            stages = range(self.pp)
+        else:
+            stages = sorted({self._entries[n].pp for n in names if n in self._entries})
+        return [self.file(t, p) for p in stages for t in range(self.tp)]
+
+    # ---- checks --------------------------------------------------------------------------------
+
+    def validate(self, check_replicas: bool = False) -> None:
+        """Everything checkable before writing: folder set, mapping, TP sizes, shapes, replicas, layers.
+
+        TP-replicated tensors (norms, router, value head) are always compared across TP ranks: they are small.
+        """
+        config = self.config
+        self._check_divisible(config)
+        entries = self._entries
+        self._check_same_keys()
+        self._check_tp_size(entries)
+        for name, entry in entries.items():
+            self._check_shapes(entry)
+        self._check_vocab(entries)
+        for name, entry in entries.items():
+            if entry.transform.replicated:
+                self._check_replicated(entry)
+        self._check_layers(config)
+        self._check_moe(config)
+        self.tensors()
+
+    def _check_divisible(self, config: dict) -> None:
+        where = self.hf_dir.join("config.json")
+        heads = config.get("num_attention_heads")
+        kv = config.get("num_key_value_heads") or heads
+        for field, value in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
+            if isinstance(value, int) and value % self.tp:
+                raise CheckpointError(
+                    f"{where}: {field}={value} is not divisible by the tensor parallel size {self.tp} "
+                    f"({self.tp} mp_rank folders in {self.model_dir}); the config is not this model's: pass "
+                    "--hf_model_path with the right config"
+                )
+
+    def _check_same_keys(self) -> None:
+        for p in range(self.pp):
+            reference = self.chunks(0, p)
+            for t in range(1, self.tp):
+                chunks = self.chunks(t, p)
+                for v, (mine, theirs) in enumerate(zip(chunks, reference)):
+                    if set(mine) != set(theirs):
+                        odd = sorted(set(mine) ^ set(theirs))[0]
+                        where = "missing from" if odd in theirs else "only in"
+                        raise CheckpointError(
+                            f"{self._shown(t, p)}: {odd} (chunk {v}) is {where} this file ({self._shown(0, p)} differs); "
+                            "the rank files come from different saves: re-copy the checkpoint"
+                        )
+
+    def _check_tp_size(self, entries: dict[str, Entry]) -> None:
+        """The fused QKV rows imply the TP size: catches a missing highest TP rank folder."""
+        for entry in entries.values():
+            if entry.transform.kind != "qkv":
+                continue
+            transform = entry.transform
+            rows = self._piece(0, entry).shape[0]
+            full = transform.num_kv_heads * transform.group_rows
+            if rows and full % rows == 0 and full // rows != self.tp:
+                implied = full // rows
+                suffix = f"_{entry.pp:03d}" if RANK_DIR.match(self._rank_dirs[(0, entry.pp)])[2] else ""
+                if implied > self.tp:
+                    raise CheckpointError(
+                        f"{self.model_dir.join(f'mp_rank_{self.tp:02d}{suffix}')}: missing ({entry.key} has {rows} rows "
+                        f"per rank, which implies TP={implied}, but only {self.tp} TP rank folders exist); the save was "
+                        "incomplete: copy every mp_rank_* folder"
+                    )
+            return
+
+    def _check_shapes(self, entry: Entry) -> None:
+        first = self._piece(0, entry)
+        for t in range(1, self.tp):
+            piece = self._piece(t, entry)
+            if piece.shape != first.shape or piece.dtype != first.dtype:
+                raise CheckpointError(
+                    f"{self._shown(t, entry.pp)}: {entry.key} is {tuple(piece.shape)} {piece.dtype} here but "
+                    f"{tuple(first.shape)} {first.dtype} in {self._shown(0, entry.pp)}; the rank files come from "
+                    "different saves or TP sizes: re-copy the checkpoint"
+                )
+        if entry.transform.kind == "qkv":
+            transform = entry.transform
+            want = transform.num_kv_heads // self.tp * transform.group_rows
+            if first.shape[0] != want:
+                raise CheckpointError(
+                    f"{self._shown(0, entry.pp)}: {entry.key} has {first.shape[0]} rows but {self.hf_dir.join('config.json')} "
+                    f"implies {want} per TP rank ({transform!r}, TP {self.tp}); the checkpoint and config.json are "
+                    "from different models (pass --hf_model_path with the right config)"
+                )
+        elif entry.transform.kind == "gated" and first.shape[0] % 2:
+            raise CheckpointError(f"{self._shown(0, entry.pp)}: {entry.key} has an odd number of rows, not [gate; up]")
+
+    def _check_vocab(self, entries: dict[str, Entry]) -> None:
+        for entry in entries.values():
+            if entry.transform.kind == "vocab":
+                rows = self._piece(0, entry).shape[0] * self.tp
+                if rows < entry.transform.vocab_size:
+                    raise CheckpointError(
+                        f"{self._shown(0, entry.pp)}: {entry.key} has {rows} rows over {self.tp} TP ranks, fewer than "
+                        f"vocab_size={entry.transform.vocab_size} in {self.hf_dir.join('config.json')}; the config is "
+                        "not this model's (pass --hf_model_path with the right config)"
+                    )
+
+    def _check_replicated(self, entry: Entry) -> None:
+        first = self._piece(0, entry)
+        for t in range(1, self.tp):
+            if not bitwise_equal(self._piece(t, entry), first):
+                raise CheckpointError(
+                    f"{self._shown(t, entry.pp)}: {entry.key} differs from its copy in {self._shown(0, entry.pp)} "
+                    "(TP-replicated tensors must be equal); the rank files come from different saves: re-copy them"
+                )
+
+    def _check_layers(self, config: dict) -> None:
+        from ..layout import layer_index
+
+        by_layer: dict[int, set[str]] = {}
+        for name in self._entries:
+            layer = layer_index(name)
+            if layer is not None:
+                by_layer.setdefault(layer, set()).add(re.sub(r"layers\.\d+\.", "layers.{}.", name, count=1))
+        expected = config.get("num_hidden_layers")
+        if isinstance(expected, int) and set(by_layer) != set(range(expected)):
+            absent = sorted(set(range(expected)) - set(by_layer))
+            raise CheckpointError(
+                f"{self.model_dir}: holds {len(by_layer)} decoder layers but num_hidden_layers={expected} in "
+                f"{self.hf_dir.join('config.json')}"
+                + (f" (layer {absent[0]} missing)" if absent else "")
+                + f"; the checkpoint and config.json are from different models, or a pipeline stage is missing"
+            )
+        union = set().union(*by_layer.values()) if by_layer else set()
+        for layer, names in sorted(by_layer.items()):
+            missing = sorted(n for n in union - names if ".mlp." not in n)
+            if missing:
+                raise CheckpointError(
+                    f"{self.model_dir}: decoder layer {layer} has no {missing[0].replace('{}', str(layer))} (other layers "
+                    "have it); the file holding that layer is damaged or from another save"
+                )
+
+    def _check_moe(self, config: dict) -> None:
+        """Expert shapes and counts per config.json (layout.py checks dense families only)."""
+        experts = next((config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config), None)
+        hidden = config.get("hidden_size")
+        if not isinstance(experts, int) or not isinstance(hidden, int):
+            return
+        where = self.hf_dir.join("config.json")
+        fields = {"moe": config.get("moe_intermediate_size"), "shared": config.get("shared_expert_intermediate_size")}
+        want_by_suffix = {
+            r"mlp\.experts\.\d+\.(gate|up)_proj\.weight": (fields["moe"], hidden),
+            r"mlp\.experts\.\d+\.down_proj\.weight": (hidden, fields["moe"]),
+            r"mlp\.shared_expert\.(gate|up)_proj\.weight": (fields["shared"], hidden),
+            r"mlp\.shared_expert\.down_proj\.weight": (hidden, fields["shared"]),
+            r"mlp\.shared_expert_gate\.weight": (1, hidden),
+            r"mlp\.gate\.weight": (experts, hidden),
+        }
+        per_layer: dict[int, set[int]] = {}
+        for name, info in self.tensors().items():
+            match = re.match(r"model\.layers\.(\d+)\.(.*)$", name)
+            if not match:
+                continue
+            expert = re.match(r"mlp\.experts\.(\d+)\.", match[2])
+            if expert:
+                per_layer.setdefault(int(match[1]), set()).add(int(expert[1]))
+            for pattern, want in want_by_suffix.items():
+                if re.fullmatch(pattern, match[2]) and None not in want and tuple(info.shape) != want:
+                    raise CheckpointError(
+                        f"tensor {name} has shape {info.shape} but {where} implies {want} (from {info.layout}); the "
+                        "checkpoint and config.json are from different models (pass --hf_model_path with the right config)"
+                    )
+        for layer, found in sorted(per_layer.items()):
+            if found != set(range(experts)):
+                raise CheckpointError(
+                    f"{self.model_dir}: decoder layer {layer} has experts {sorted(found)[:3]}... ({len(found)}) but {where} "
+                    f"says {experts} experts; expert-parallel pieces are missing or the config is not this model's"
+                )
+
+    def describe(self) -> dict:
+        return {
+            "format": self.format_name,
+            "location": str(self.location),
+            "step": self.step,
+            "role": self.location.name,
+            "world_size": self.tp * self.pp,
+            "tp": self.tp,
+            "pp": self.pp,
+            "vpp": self.vpp,
+            "layers_per_chunk": [self.layers_per_chunk[c] for c in self.chunk_order()],
+            "files": [f"model/{self._rank_dirs[(t, p)]}/{MODEL_FILE}" for p in range(self.pp) for t in range(self.tp)],
+        }

@@ -1,0 +1,387 @@
+"""Legacy verl Megatron checkpoints (`model/mp_rank_TT[_PPP]/model.pt`): HF -> Megatron pieces -> merge is the identity."""
+
+from __future__ import annotations
+
+import doctest
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mergecore import CheckpointError, VerificationError, compare_logits, compare_with_reference, merge_checkpoint
+from mergecore import open_checkpoint, prepare, verify_round_trip
+from mergecore.formats.megatron_legacy import MegatronLegacyCheckpoint
+from mergecore.megatron_fixtures import ARCHS, MegatronFixture, write_megatron_checkpoint
+from mergecore.tensorio import HfWeights
+
+LAYOUTS = {"tp2": (2, 1, 1), "tp2-pp2": (2, 2, 1), "tp2-pp2-vpp2": (2, 2, 2)}
+
+
+@pytest.fixture(scope="session")
+def mcore(tmp_path_factory):
+    """`mcore(arch, layout, **kw)` -> a MegatronFixture, written once per session."""
+    made: dict = {}
+
+    def get(arch: str, layout: str = "tp2-pp2-vpp2", **kwargs) -> MegatronFixture:
+        key = (arch, layout, tuple(sorted(kwargs.items())))
+        if key not in made:
+            tp, pp, vpp = LAYOUTS[layout]
+            made[key] = write_megatron_checkpoint(tmp_path_factory.mktemp(f"{arch}-{layout}"), arch, tp, pp, vpp, **kwargs)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture
+def mcore_copy(mcore, tmp_path):
+    """A private copy that a test may damage."""
+
+    def copy(arch: str, layout: str = "tp2-pp2-vpp2", **kwargs) -> MegatronFixture:
+        original = mcore(arch, layout, **kwargs)
+        root = tmp_path / "copy"
+        shutil.copytree(original.run_root, root)
+        relocate = lambda p: root / Path(p).relative_to(original.run_root)  # noqa: E731
+        return MegatronFixture(root, relocate(original.role_dir), relocate(original.reference_dir))
+
+    return copy
+
+
+def rank_file(ckpt: MegatronFixture, folder: str) -> Path:
+    return ckpt.role_dir / "model" / folder / "model.pt"
+
+
+def edit_rank_file(path: Path, edit) -> None:
+    chunks = torch.load(path, map_location="cpu", weights_only=True)
+    edit(chunks)
+    torch.save(chunks, path)
+
+
+def one_line_error(excinfo) -> str:
+    text = str(excinfo.value)
+    assert "\n" not in text
+    return text
+
+
+# ---- transforms ------------------------------------------------------------------------------
+
+def test_transform_docstrings():
+    import mergecore.transforms
+
+    assert doctest.testmod(mergecore.transforms).failed == 0
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_transforms_round_trip_both_ways(tp):
+    from mergecore.transforms import ColumnParallel, FusedQKV, GatedMLP, Replicated, RowParallel, VocabParallel
+
+    g = torch.Generator().manual_seed(tp)
+    rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    cases = [
+        (ColumnParallel(), {"": rand(8, 3)}),
+        (RowParallel(), {"": rand(3, 8)}),
+        (Replicated(), {"": rand(5)}),
+        (VocabParallel(301), {"": rand(301, 4)}),
+        (FusedQKV(8, 4, 2), {"q": rand(16, 6), "k": rand(8, 6), "v": rand(8, 6)}),
+        (FusedQKV(8, 4, 2), {"q": rand(16), "k": rand(8), "v": rand(8)}),  # bias
+        (GatedMLP(), {"gate": rand(8, 3), "up": rand(8, 3)}),
+    ]
+    for transform, parts in cases:
+        pieces = transform.split(parts, tp)
+        assert len(pieces) == tp
+        merged = transform.merge(pieces)
+        assert merged.keys() == parts.keys()
+        assert all(torch.equal(merged[k], parts[k]) for k in parts), transform
+        again = transform.split(merged, tp)
+        assert all(torch.equal(a, b) for a, b in zip(again, pieces)), transform
+        assert tuple(pieces[0].shape) == transform.local_shape({k: tuple(v.shape) for k, v in parts.items()}, tp)
+
+
+def test_fused_qkv_layout_is_per_query_group():
+    from mergecore.transforms import FusedQKV
+
+    # 4 heads, 2 groups, head_dim 1: group g holds [q_2g, q_2g+1, k_g, v_g]; TP 2 gives one group per rank.
+    parts = {"q": torch.arange(4.0), "k": torch.arange(10.0, 12), "v": torch.arange(20.0, 22)}
+    pieces = FusedQKV(4, 2, 1).split(parts, 2)
+    assert [p.tolist() for p in pieces] == [[0, 1, 10, 20], [2, 3, 11, 21]]
+    assert FusedQKV(4, 2, 1).split(parts, 1)[0].tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+
+
+# ---- merging ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_merge_is_the_identity(arch, layout, mcore, tmp_path):
+    ckpt = mcore(arch, layout)
+    manifest = merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="keep")
+    report = compare_with_reference(tmp_path / "out", ckpt.reference_dir)  # exact: atol = rtol = 0
+    assert report["max_abs_diff"] == 0.0
+    tp, pp, vpp = LAYOUTS[layout]
+    assert manifest["source"]["format"] == "verl-megatron-legacy"
+    assert (manifest["source"]["tp"], manifest["source"]["pp"], manifest["source"]["vpp"]) == (tp, pp, vpp)
+    check = manifest["verification"][0]
+    assert check["ok"] and check["pieces"] == tp * check["tensors"]
+    if arch.endswith("tied"):  # PP > 1: the last stage's copy of the embedding is read, checked, not written
+        assert manifest["aliases"] == ({"lm_head.weight": "model.embed_tokens.weight"} if pp > 1 else {})
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_logits_equal_the_source_model(arch, mcore, tmp_path):
+    ckpt = mcore(arch, "tp2-pp2-vpp2")
+    merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="keep")
+    assert compare_logits(tmp_path / "out", ckpt.reference_dir)["max_abs_diff"] == 0.0
+
+
+def test_bf16_output_is_the_cast_source(mcore, tmp_path):
+    ckpt = mcore("qwen2", "tp2-pp2-vpp2")
+    manifest = merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="bf16")
+    assert manifest["dtype"] == "bfloat16"
+    with HfWeights(tmp_path / "out") as ours, HfWeights(ckpt.reference_dir) as reference:
+        assert sorted(ours.names()) == sorted(reference.names())
+        for name in reference.names():
+            assert torch.equal(ours.get(name), reference.get(name).to(torch.bfloat16)), name
+
+
+def test_megatron_lm_files_and_grouped_experts(mcore, tmp_path):
+    """`{"model0": ..., "args": Namespace}` files with BytesIO extra state, TEGroupedMLP expert names."""
+    grouped = ("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc1.weight",
+               "decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc2.weight")
+    ckpt = mcore("qwen3_moe", "tp2-pp2-vpp2", style="megatron-lm", skip_rows=grouped)
+    path = rank_file(ckpt, "mp_rank_01_001")
+    with pytest.raises(Exception):
+        torch.load(path, weights_only=True)  # Namespace and BytesIO: only the restricted unpickler reads it
+    source = open_checkpoint(str(ckpt.role_dir))
+    assert source.tensors()["model.layers.3.mlp.experts.2.up_proj.weight"].layout.endswith("linear_fc1.weight2")
+    merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="keep")
+    assert compare_with_reference(tmp_path / "out", ckpt.reference_dir)["max_abs_diff"] == 0.0
+
+
+def test_whole_experts_on_every_tp_rank(mcore, tmp_path):
+    """expert_tensor_parallel_size=1 under TP 2: experts are replicated, not concatenated."""
+    ckpt = mcore("qwen2_moe", "tp2-pp2", expert_tp=1)
+    source = open_checkpoint(str(ckpt.role_dir))
+    assert source.tensors()["model.layers.1.mlp.experts.3.gate_proj.weight"].shape == (32, 64)
+    assert source.tensors()["model.layers.1.mlp.experts.3.down_proj.weight"].shape == (64, 32)
+    manifest = merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="keep")
+    assert compare_with_reference(tmp_path / "out", ckpt.reference_dir)["max_abs_diff"] == 0.0
+    assert manifest["verification"][0]["ok"]
+
+
+def test_expert_shape_must_match_the_config(mcore_copy):
+    ckpt = mcore_copy("qwen3_moe", "tp2")
+    config_file = ckpt.role_dir / "huggingface" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "moe_intermediate_size": 48}))
+    with pytest.raises(CheckpointError, match=r"mlp.experts.0.gate_proj.weight has shape \(32, 64\) .* implies \(48, 64\)") as excinfo:
+        prepare(str(ckpt.role_dir))
+    one_line_error(excinfo)
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "moe_intermediate_size": 32,
+                                       "num_local_experts": 5}))
+    with pytest.raises(CheckpointError, match=r"mlp.gate.weight has shape \(4, 64\) .* implies \(5, 64\)"):
+        prepare(str(ckpt.role_dir))
+
+
+def test_huggingface_folder_under_model_is_found(mcore_copy, tmp_path):
+    ckpt = mcore_copy("llama", "tp2")
+    (ckpt.role_dir / "huggingface").rename(ckpt.role_dir / "model" / "huggingface")
+    source = open_checkpoint(str(ckpt.run_root))
+    assert source.hf_dir.url.endswith("actor/model/huggingface")
+    merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="keep")
+    assert compare_with_reference(tmp_path / "out", ckpt.reference_dir)["max_abs_diff"] == 0.0
+
+
+def test_globally_numbered_layers_are_accepted(mcore_copy, tmp_path):
+    """Some savers renumber layers globally; the reader takes either numbering."""
+    import re
+
+    ckpt = mcore_copy("qwen2", "tp2-pp2")  # 2 layers per stage: pp rank 1 holds layers 2, 3
+
+    def renumber(chunks):
+        chunks[0] = {re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + 2}.", k): v
+                     for k, v in chunks[0].items()}
+
+    for folder in ("mp_rank_00_001", "mp_rank_01_001"):
+        edit_rank_file(rank_file(ckpt, folder), renumber)
+    merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="keep")
+    assert compare_with_reference(tmp_path / "out", ckpt.reference_dir)["max_abs_diff"] == 0.0
+
+
+def test_names_shapes_and_order(mcore):
+    source = open_checkpoint(str(mcore("qwen3", "tp2-pp2-vpp2").run_root), backend="megatron")
+    infos = source.tensors()
+    names = list(infos)
+    assert names[0] == "model.embed_tokens.weight" and names[-2:] == ["model.norm.weight", "lm_head.weight"]
+    assert infos["model.embed_tokens.weight"].shape == (300, 64)  # vocab padding (512 rows) trimmed
+    assert infos["model.layers.3.self_attn.q_proj.weight"].shape == (128, 64)  # explicit head_dim 32
+    assert infos["model.layers.3.self_attn.k_proj.weight"].shape == (64, 64)
+    assert infos["model.layers.2.self_attn.q_norm.weight"].shape == (32,)
+    layers = [int(n.split(".")[2]) for n in names if n.startswith("model.layers.")]
+    assert layers == sorted(layers) and set(layers) == {0, 1, 2, 3}
+    assert source.describe()["layers_per_chunk"] == [1, 1, 1, 1]
+
+
+def test_input_files_are_the_stage_holding_the_tensors(mcore):
+    ckpt = mcore("llama-tied", "tp2-pp2-vpp2")
+    source = open_checkpoint(str(ckpt.role_dir))
+    files = lambda names: sorted(Path(str(f)).parent.name for f in source.input_files(names))  # noqa: E731
+    # VPP 2 x PP 2, one layer per chunk: layers 0, 2 on pp rank 0; layers 1, 3 on pp rank 1
+    assert files(["model.layers.2.mlp.up_proj.weight"]) == ["mp_rank_00_000", "mp_rank_01_000"]
+    assert files(["model.layers.1.self_attn.q_proj.weight"]) == ["mp_rank_00_001", "mp_rank_01_001"]
+    assert files(["model.embed_tokens.weight", "lm_head.weight"]) == sorted(
+        ["mp_rank_00_000", "mp_rank_01_000", "mp_rank_00_001", "mp_rank_01_001"])
+    assert len(source.input_files()) == 4
+
+
+def test_group_cache_keys_follow_the_pipeline_stage(mcore_copy, tmp_path):
+    """Touching a last-stage file invalidates only the groups that stage holds."""
+    import os
+
+    from mergecore.fingerprints import group_key
+
+    ckpt = mcore_copy("qwen2", "tp2-pp2")  # layers 0, 1 on pp rank 0; layers 2, 3, norm, lm_head on pp rank 1
+
+    def keys():
+        prepared = prepare(str(ckpt.role_dir))
+        return {g: group_key(prepared.source, prepared.plan, g, tmp_path) for g in prepared.plan.groups}
+
+    before = keys()
+    path = rank_file(ckpt, "mp_rank_01_001")
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    after = keys()
+    assert {g for g in before if before[g] != after[g]} == {"layers.2", "layers.3", "head"}
+
+
+def test_read_touches_one_layer_and_casts(mcore):
+    source = open_checkpoint(str(mcore("qwen2", "tp2").role_dir))
+    q = source.read("model.layers.1.self_attn.q_proj.bias", torch.bfloat16)
+    assert q.dtype == torch.bfloat16 and q.shape == (64,)
+    pieces = list(source.pieces("model.layers.1.self_attn.k_proj.weight"))
+    assert [p.offsets for p in pieces] == [(0, 0), (16, 0)] and all(p.sizes == (16, 64) for p in pieces)
+    embed = list(source.pieces("model.embed_tokens.weight"))
+    assert [p.sizes[0] for p in embed] == [256, 44]  # 512 padded rows over 2 ranks, trimmed to 300
+
+
+# ---- verification ----------------------------------------------------------------------------
+
+def test_check_round_trip_catches_a_tampered_piece(mcore_copy, tmp_path):
+    ckpt = mcore_copy("qwen2", "tp2-pp2")
+    merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="keep")
+    source = open_checkpoint(str(ckpt.role_dir))
+    with HfWeights(tmp_path / "out") as weights:
+        k = weights.get("model.layers.3.self_attn.k_proj.weight")
+        assert source.check_round_trip("model.layers.3.self_attn.k_proj.weight", k) == 2
+        bad = k.clone()
+        bad[-1, -1] += 1
+        with pytest.raises(VerificationError, match=r"mp_rank_01_001/model.pt: decoder.layers.1.self_attention."
+                                                     r"linear_qkv.weight \(k part\)"):
+            source.check_round_trip("model.layers.3.self_attn.k_proj.weight", bad)
+
+    # a saved piece changed after the merge: the output no longer round-trips to it
+    def tamper(chunks):
+        chunks[0]["decoder.layers.1.mlp.linear_fc1.weight"][-1, 0] += 1  # an up_proj row of TP rank 1
+
+    edit_rank_file(rank_file(ckpt, "mp_rank_01_001"), tamper)
+    with pytest.raises(VerificationError, match=r"mp_rank_01_001/model.pt: decoder.layers.1.mlp.linear_fc1.weight "
+                                                 r"\(up part\)") as excinfo:
+        verify_round_trip(open_checkpoint(str(ckpt.role_dir)), tmp_path / "out", {})
+    one_line_error(excinfo)
+
+
+def test_tied_output_copy_must_equal_the_embedding(mcore_copy, tmp_path):
+    ckpt = mcore_copy("llama-tied", "tp2-pp2")
+
+    def tamper(chunks):
+        chunks[-1]["output_layer.weight"][3, 3] += 1
+
+    edit_rank_file(rank_file(ckpt, "mp_rank_00_001"), tamper)
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight") as excinfo:
+        merge_checkpoint(str(ckpt.role_dir), tmp_path / "out")
+    one_line_error(excinfo)
+    assert not (tmp_path / "out").exists()
+
+
+# ---- bad inputs: one line each, nothing written -----------------------------------------------
+
+def test_missing_tp_rank_folder(mcore_copy, tmp_path):
+    ckpt = mcore_copy("llama", "tp2-pp2")
+    shutil.rmtree(ckpt.role_dir / "model" / "mp_rank_00_001")
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_001: missing .*copy every mp_rank_\* folder") as excinfo:
+        merge_checkpoint(str(ckpt.role_dir), tmp_path / "out")
+    one_line_error(excinfo)
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_last_tp_rank_is_found_from_shard_shapes(mcore_copy, tmp_path):
+    ckpt = mcore_copy("qwen2", "tp2")
+    shutil.rmtree(ckpt.role_dir / "model" / "mp_rank_01")
+    with pytest.raises(CheckpointError, match=r"model/mp_rank_01: missing .*implies TP=2") as excinfo:
+        prepare(str(ckpt.role_dir))
+    one_line_error(excinfo)
+
+
+def test_inconsistent_tp_shard_shape(mcore_copy):
+    ckpt = mcore_copy("llama", "tp2")
+
+    def shrink(chunks):
+        chunks[0]["decoder.layers.2.mlp.linear_fc1.weight"] = chunks[0]["decoder.layers.2.mlp.linear_fc1.weight"][:96].clone()
+
+    edit_rank_file(rank_file(ckpt, "mp_rank_01"), shrink)
+    with pytest.raises(CheckpointError, match=r"mp_rank_01/model.pt: decoder.layers.2.mlp.linear_fc1.weight is "
+                                              r"\(96, 64\) .* but \(128, 64\)") as excinfo:
+        prepare(str(ckpt.role_dir))
+    one_line_error(excinfo)
+
+
+def test_heads_not_divisible_by_tp(mcore_copy):
+    ckpt = mcore_copy("llama", "tp2")
+    config_file = ckpt.role_dir / "huggingface" / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(num_attention_heads=3, num_key_value_heads=3)
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="num_attention_heads=3 is not divisible by the tensor parallel size 2") as excinfo:
+        prepare(str(ckpt.role_dir))
+    one_line_error(excinfo)
+
+
+def test_unknown_parameter_names_the_key_and_custom_mapping(mcore_copy, tmp_path):
+    ckpt = mcore_copy("llama", "tp2")
+    for folder in ("mp_rank_00", "mp_rank_01"):
+        edit_rank_file(rank_file(ckpt, folder), lambda c: c[0].__setitem__("decoder.layers.1.mlp.mystery.weight", torch.ones(4)))
+    with pytest.raises(CheckpointError, match=r"decoder.layers.1.mlp.mystery.weight .*--custom-mapping FILE") as excinfo:
+        prepare(str(ckpt.role_dir))
+    one_line_error(excinfo)
+
+    mapping = tmp_path / "mapping.json"
+    mapping.write_text(json.dumps({"decoder.layers.{}.mlp.mystery.weight": ["model.layers.{}.mlp.mystery.weight", "replicated"]}))
+    source = MegatronLegacyCheckpoint(open_checkpoint(str(ckpt.role_dir)).location, custom_mapping=str(mapping))
+    source.validate()
+    assert source.tensors()["model.layers.1.mlp.mystery.weight"].shape == (4,)
+
+
+def test_replicated_norm_differs_across_tp_ranks(mcore_copy):
+    ckpt = mcore_copy("qwen3", "tp2")
+    edit_rank_file(rank_file(ckpt, "mp_rank_01"),
+                   lambda c: c[0]["decoder.layers.0.self_attention.k_layernorm.weight"].add_(1))
+    with pytest.raises(CheckpointError, match=r"mp_rank_01/model.pt: decoder.layers.0.self_attention.k_layernorm.weight "
+                                              "differs from its copy") as excinfo:
+        prepare(str(ckpt.role_dir))
+    one_line_error(excinfo)
+
+
+def test_layer_count_must_match_the_config(mcore_copy):
+    ckpt = mcore_copy("mistral", "tp2-pp2")
+    config_file = ckpt.role_dir / "huggingface" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "num_hidden_layers": 5}))
+    with pytest.raises(CheckpointError, match=r"num_hidden_layers=5 .*layer 4 missing") as excinfo:
+        prepare(str(ckpt.role_dir))
+    one_line_error(excinfo)
+
+
+def test_unknown_model_type_without_mapping(mcore_copy):
+    ckpt = mcore_copy("llama", "tp2")
+    config_file = ckpt.role_dir / "huggingface" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "model_type": "gpt_mystery"}))
+    with pytest.raises(CheckpointError, match="model_type 'gpt_mystery' has no Megatron mapping table") as excinfo:
+        prepare(str(ckpt.role_dir))
+    one_line_error(excinfo)
