@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 
 from .dtypes import element_size
 from .formats import open_checkpoint

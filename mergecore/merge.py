@@ -18,6 +18,7 @@ import torch
 from .dtypes import resolve_dtype
 from .errors import CheckpointError
 from .formats import CheckpointSource, open_checkpoint
+from .formats.base import read_hf_config
 from .layout import EMBEDDING, OUTPUT, check_against_config, tied_embeddings
 from .plan import MergePlan, make_plan, parse_size
 from .storage import Location
@@ -45,20 +46,6 @@ class Prepared:
     source: CheckpointSource
     config: dict
     plan: MergePlan
-
-
-def read_hf_config(source: CheckpointSource) -> dict:
-    """config.json from the checkpoint's `huggingface/` folder (or the folder given instead)."""
-    config_file = source.hf_dir.join("config.json") if source.hf_dir else None
-    if config_file is None or not config_file.exists():
-        raise CheckpointError(
-            f"{config_file or source.location}: no config.json; the checkpoint lacks its huggingface/ folder: "
-            "pass --hf_model_path pointing at the base model's folder"
-        )
-    try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{config_file}: not valid JSON ({err}); restore it from the base model") from None
 
 
 def check_tied_embeddings(source: CheckpointSource, config: dict, requested: bool | None) -> bool:

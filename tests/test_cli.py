@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import sys
 
-import torch
 from safetensors.torch import load_file, save_file
 
 

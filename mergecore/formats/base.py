@@ -105,3 +105,21 @@ class CheckpointSource(ABC):
             if piece.primary:
                 out[piece.index].copy_(piece.tensor)
         return out
+
+
+def read_hf_config(source: CheckpointSource) -> dict:
+    """config.json from the checkpoint's `huggingface/` folder (or the folder given instead)."""
+    import json
+
+    from ..errors import CheckpointError
+
+    config_file = source.hf_dir.join("config.json") if source.hf_dir else None
+    if config_file is None or not config_file.exists():
+        raise CheckpointError(
+            f"{config_file or source.location}: no config.json; the checkpoint lacks its huggingface/ folder: "
+            "pass --hf_model_path pointing at the base model's folder"
+        )
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_file}: not valid JSON ({err}); restore it from the base model") from None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 import re
 from collections.abc import Iterator
 from functools import cached_property
@@ -19,7 +18,7 @@ import torch
 from ..errors import CheckpointError
 from ..storage import Location
 from .base import CheckpointSource, Piece, TensorInfo
-from .safe_unpickle import ShardedTensorRecord, load_restricted
+from .safe_unpickle import ShardedTensorRecord, load_untrusted
 
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 
@@ -35,23 +34,7 @@ def load_rank_file(path: str, shown_as: str) -> dict:
     """A rank's state dict with every tensor mmapped: nothing is read until it is used."""
     import torch.distributed.tensor  # noqa: F401  (registers DTensor for weights_only loading)
 
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as err:
-        if "sharded_tensor" not in str(err).lower():
-            raise CheckpointError(
-                f"{shown_as}: refused to unpickle ({str(err).splitlines()[0]}); "
-                "ckptflow only loads tensors, never arbitrary objects"
-            ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise CheckpointError(
-            f"{shown_as}: cannot be read ({str(err).splitlines()[0]}); the file is truncated or not a "
-            "torch checkpoint: copy it again from where training saved it"
-        ) from None
-    try:
-        return load_restricted(path)
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(f"{shown_as}: refused to unpickle ({err})") from None
+    return load_untrusted(path, shown_as)
 
 
 def chunk_span(length: int, parts: int, index: int) -> tuple[int, int]:

@@ -14,8 +14,6 @@ merged output and compares it with every saved piece, bit for bit.
 
 from __future__ import annotations
 
-import json
-import pickle
 import re
 import threading
 from collections.abc import Iterable, Iterator
@@ -29,8 +27,8 @@ from ..megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table
 from ..storage import Location
 from ..tensorio import bitwise_equal
 from ..transforms import Replicated, ReplicatedGatedMLP, Transform, VocabParallel, make_transform
-from .base import CheckpointSource, Piece, TensorInfo
-from .safe_unpickle import Record, RestrictedUnpickler
+from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
+from .safe_unpickle import Record, RestrictedUnpickler, load_untrusted
 
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 MODEL_FILE = "model.pt"
@@ -76,23 +74,8 @@ def _load_pickle(path: str):
 
 
 def load_model_file(path: str, shown_as: str):
-    """A `model.pt`, tensors mmapped: `weights_only` first, then the restricted unpickler."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError:
-        pass
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise CheckpointError(
-            f"{shown_as}: cannot be read ({str(err).splitlines()[0]}); the file is truncated or not a torch "
-            "checkpoint: copy it again from where training saved it"
-        ) from None
-    try:
-        return _load_pickle(path)
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"{shown_as}: refused to unpickle ({str(err).splitlines()[0]}); ckptflow only loads tensors, never "
-            "arbitrary objects"
-        ) from None
+    """A `model.pt`, tensors mmapped: `weights_only` first, then the Megatron allow-list."""
+    return load_untrusted(path, shown_as, restricted=_load_pickle)
 
 
 def model_chunks(obj, shown_as: str) -> list[dict[str, torch.Tensor]]:
@@ -232,16 +215,7 @@ class MegatronLegacyCheckpoint(CheckpointSource):
 
     @cached_property
     def config(self) -> dict:
-        config_file = self.hf_dir.join("config.json") if self.hf_dir else None
-        if config_file is None or not config_file.exists():
-            raise CheckpointError(
-                f"{config_file or self.location}: no config.json; the checkpoint lacks its huggingface/ folder: "
-                "pass --hf_model_path pointing at the base model's folder"
-            )
-        try:
-            return json.loads(config_file.read_text())
-        except json.JSONDecodeError as err:
-            raise CheckpointError(f"{config_file}: not valid JSON ({err}); restore it from the base model") from None
+        return read_hf_config(self)
 
     @cached_property
     def vpp(self) -> int:
@@ -559,7 +533,7 @@ class MegatronLegacyCheckpoint(CheckpointSource):
                 f"{self.model_dir}: holds {len(by_layer)} decoder layers but num_hidden_layers={expected} in "
                 f"{self.hf_dir.join('config.json')}"
                 + (f" (layer {absent[0]} missing)" if absent else "")
-                + f"; the checkpoint and config.json are from different models, or a pipeline stage is missing"
+                + "; the checkpoint and config.json are from different models, or a pipeline stage is missing"
             )
         union = set().union(*by_layer.values()) if by_layer else set()
         for layer, names in sorted(by_layer.items()):

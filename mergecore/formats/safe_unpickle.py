@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import pickle
 import types
+from collections.abc import Callable
 
 import torch
 
@@ -128,3 +129,29 @@ def load_restricted(path: str) -> dict:
     >>> state["lm_head.weight"].local_shards[0].tensor.shape      # doctest: +SKIP
     """
     return torch.load(path, map_location="cpu", weights_only=False, mmap=True, pickle_module=restricted_pickle)
+
+
+def load_untrusted(path: str, shown_as: str, restricted: Callable[[str], object] = load_restricted):
+    """A torch file with tensors mmapped: `weights_only` first, then `restricted` (an allow-listed
+    unpickler) for files that carry more than plain tensors. Never unrestricted unpickling.
+
+    Bad files become one-line CheckpointErrors naming `shown_as`.
+    """
+    from ..errors import CheckpointError
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        pass
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise CheckpointError(
+            f"{shown_as}: cannot be read ({str(err).splitlines()[0]}); the file is truncated or not a "
+            "torch checkpoint: copy it again from where training saved it"
+        ) from None
+    try:
+        return restricted(path)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{shown_as}: refused to unpickle ({str(err).splitlines()[0]}); ckptflow only loads tensors, never "
+            "arbitrary objects"
+        ) from None
