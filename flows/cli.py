@@ -31,6 +31,7 @@ DTYPE = typer.Option("auto", "--dtype", help="auto (config.json's dtype), keep, 
 TIE = typer.Option(False, "--tie-word-embedding", "--tie_word_embedding", help="Assert the model ties embeddings (checked against config.json).")
 VALUE_MODEL = typer.Option(False, "--is-value-model", "--is_value_model", help="Assert the checkpoint is a value/critic model (checked against config.json).")
 TRUST_REMOTE_CODE = typer.Option(False, "--trust-remote-code", "--trust_remote_code", help="Allow custom model code when loading for the logits check.")
+CUSTOM_MAPPING = typer.Option(None, "--custom-mapping", "--custom_mapping", help="JSON/YAML file of extra Megatron -> HF name patterns.")
 CPU_INIT = typer.Option(False, "--use_cpu_initialization", "--use-cpu-initialization", hidden=True, help="Accepted for verl compatibility; ckptflow always merges on CPU.")
 
 
@@ -83,13 +84,14 @@ def _progress() -> Progress:
 
 
 def run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size, tie, is_value_model,
-              overwrite, verify, check_replicas, workers) -> dict:
+              overwrite, verify, check_replicas, workers, custom_mapping=None) -> dict:
     """Prepare, merge with a progress bar, verify and publish; returns the manifest."""
     from mergecore import merge_checkpoint, prepare
     from mergecore.merge import check_target
 
     check_target(target_dir, overwrite)
-    prepared = prepare(local_dir, role, backend, hf_model_path, dtype, max_shard_size, True if tie else None, check_replicas)
+    prepared = prepare(local_dir, role, backend, hf_model_path, dtype, max_shard_size, True if tie else None,
+                       check_replicas, custom_mapping)
     check_value_model(is_value_model, prepared.config)
     with _progress() as progress:
         bar = progress.add_task("merging", total=len(prepared.plan.groups))
@@ -123,6 +125,7 @@ def merge(
     skip_verify: bool = typer.Option(False, "--skip-verify", help="Publish without the round-trip check (not recommended)."),
     check_replicas: bool = typer.Option(False, "--check-replicas", help="Also check HSDP replicas are identical."),
     workers: int = typer.Option(2, "--workers", help="Threads reading, converting and writing tensors."),
+    custom_mapping: Optional[str] = CUSTOM_MAPPING,
     hf_upload_path: Optional[str] = typer.Option(None, "--hf_upload_path", "--hf-upload-path", help="Also push to this Hub repo (org/name)."),
     private: bool = typer.Option(False, "--private", help="With --hf_upload_path: create the repo private."),
     revision: Optional[str] = typer.Option(None, "--revision", help="With --hf_upload_path: branch to push to (created if missing)."),
@@ -133,7 +136,8 @@ def merge(
 
         raise CheckpointError("--private only applies with --hf_upload_path ORG/NAME")
     manifest = run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size,
-                         tie_word_embedding, is_value_model, overwrite, not skip_verify, check_replicas, workers)
+                         tie_word_embedding, is_value_model, overwrite, not skip_verify, check_replicas, workers,
+                         custom_mapping)
     checks = ", ".join(f"{c['check']} ok" for c in manifest.get("verification", [])) or "not verified"
     out.print(f"merged {manifest['source']['location']} -> {Path(target_dir).absolute()} "
               f"({len(manifest['files'])} files, dtype {manifest['dtype']}; {checks})", highlight=False, soft_wrap=True)
@@ -247,6 +251,7 @@ def promote(
     hf_model_path: Optional[str] = HF_MODEL_PATH,
     hub_token_secret: Optional[str] = typer.Option(None, "--hub-token-secret", help="Prefect Secret block holding the Hub token (default: HF_TOKEN)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a target holding a different merge."),
+    custom_mapping: Optional[str] = CUSTOM_MAPPING,
 ):
     """Run the Prefect pipeline: merge (cached per group) -> verify -> push to the Hub."""
     from flows.run import run_promotion
@@ -254,7 +259,7 @@ def promote(
     result = run_promotion(checkpoint=checkpoint, target=target, dtype=dtype, reference=reference, hub_repo=hub_repo,
                            revision=revision, private=private, max_shard_size=max_shard_size, role=role,
                            backend=backend, hf_dir=hf_model_path, tag=tag, hub_token_secret=hub_token_secret,
-                           overwrite=overwrite)
+                           overwrite=overwrite, custom_mapping=custom_mapping)
     print_checks(result["checks"])
     cached = result["cached_groups"]
     out.print(f"verified model: {result['target']}" + (f" ({len(cached)} groups reused from cache)" if cached else ""),

@@ -71,9 +71,10 @@ def promote_checkpoint(
     hub_token_secret: str | None = None,
     overwrite: bool = False,
     trust_remote_code: bool = False,
+    custom_mapping: str | None = None,
 ) -> dict:
     """Merge a training checkpoint, prove it equal to what was trained, and publish it to the Hub."""
-    ref = CheckpointRef(checkpoint, role, backend, hf_dir, dtype, max_shard_size)
+    ref = CheckpointRef(checkpoint, role, backend, hf_dir, dtype, max_shard_size, custom_mapping=custom_mapping)
     manifest = merge_checkpoint(ref, target, overwrite)
     checks = run_equivalence_tests(target, manifest, reference, trust_remote_code)
     create_table_artifact(equivalence_rows(checks), key="equivalence", description="equivalence tests")

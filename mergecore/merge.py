@@ -92,6 +92,7 @@ def prepare(
     max_shard_size: str | int = "5GB",
     tie_word_embedding: bool | None = None,
     check_replicas: bool = False,
+    custom_mapping: str | None = None,
 ) -> Prepared:
     """Discover, validate against config.json, and plan. Raises CheckpointError on bad input.
 
@@ -99,7 +100,7 @@ def prepare(
     >>> prepared.plan.files
     ['model-00001-of-00001.safetensors']
     """
-    source = open_checkpoint(checkpoint, role=role, backend=backend, hf_dir=hf_dir)
+    source = open_checkpoint(checkpoint, role=role, backend=backend, hf_dir=hf_dir, custom_mapping=custom_mapping)
     config = read_hf_config(source)
     source.validate(check_replicas=check_replicas)
     shapes = {name: info.shape for name, info in source.tensors().items()}

@@ -14,7 +14,7 @@ from .sources import CheckpointRef, prepared_for
 @task(name="discover_shards")
 def discover_shards(ref: CheckpointRef) -> dict:
     """Find the rank files, world size, mesh and huggingface/ folder behind a path or URL."""
-    source = open_checkpoint(ref.checkpoint, role=ref.role, backend=ref.backend, hf_dir=ref.hf_dir)
+    source = open_checkpoint(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.custom_mapping)
     return {**source.describe(), "fingerprints": input_fingerprints(source)}
 
 

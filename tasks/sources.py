@@ -23,11 +23,13 @@ class CheckpointRef:
     dtype: str = "auto"
     max_shard_size: str = "5GB"
     tie_word_embedding: bool | None = None
+    custom_mapping: str | None = None
 
 
 @lru_cache(maxsize=4)
 def _prepared(ref: CheckpointRef, fingerprints: str) -> Prepared:
-    return prepare(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.dtype, ref.max_shard_size, ref.tie_word_embedding)
+    return prepare(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.dtype, ref.max_shard_size,
+                   ref.tie_word_embedding, custom_mapping=ref.custom_mapping)
 
 
 def prepared_for(ref: CheckpointRef) -> Prepared:
@@ -35,5 +37,5 @@ def prepared_for(ref: CheckpointRef) -> Prepared:
     from mergecore.fingerprints import digest, input_fingerprints
     from mergecore.formats import open_checkpoint
 
-    source = open_checkpoint(ref.checkpoint, role=ref.role, backend=ref.backend, hf_dir=ref.hf_dir)
+    source = open_checkpoint(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.custom_mapping)
     return _prepared(ref, digest(input_fingerprints(source)))

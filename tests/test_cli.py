@@ -90,3 +90,23 @@ def test_quick_manifest_check_notices_a_rewritten_file(demo, tmp_path):
 
     with pytest.raises(VerificationError, match="config.json: differs"):
         verify_manifest(out, full=False)
+
+
+def test_megatron_legacy_through_the_cli(cli, tmp_path):
+    from mergecore import compare_with_reference
+    from mergecore.megatron_fixtures import write_megatron_checkpoint
+
+    ckpt = write_megatron_checkpoint(tmp_path / "run", "qwen2", tp=2, pp=2)
+    result = cli("merge", "--backend", "megatron", "--local_dir", ckpt.run_root, "--target_dir", tmp_path / "out",
+                 "--dtype", "keep")
+    assert result.exit_code == 0, result.output
+    assert compare_with_reference(tmp_path / "out", ckpt.reference_dir)["max_abs_diff"] == 0.0
+    report = json.loads(cli("inspect", ckpt.run_root, "--json").stdout)
+    assert report["checkpoint"]["format"] == "verl-megatron-legacy" and report["checkpoint"]["tp"] == 2
+
+
+def test_custom_mapping_is_for_megatron_only(cli, demo, tmp_path):
+    (tmp_path / "map.json").write_text("{}")
+    result = cli("merge", "--local_dir", demo("fsdp2-w2").role_dir, "--target_dir", tmp_path / "out",
+                 "--custom-mapping", tmp_path / "map.json")
+    assert result.exit_code == 2 and "--custom-mapping applies to Megatron" in result.stderr

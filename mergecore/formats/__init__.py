@@ -58,7 +58,11 @@ def find_role_folder(location: Location, role: str = "actor") -> tuple[Location,
 
 
 def open_checkpoint(
-    path: str | Location, role: str = "actor", backend: str = "auto", hf_dir: str | None = None
+    path: str | Location,
+    role: str = "actor",
+    backend: str = "auto",
+    hf_dir: str | None = None,
+    custom_mapping: str | None = None,
 ) -> CheckpointSource:
     """Discover a checkpoint and return its reader; nothing heavy is read yet.
 
@@ -74,5 +78,8 @@ def open_checkpoint(
             raise CheckpointError(f"--backend {backend} is not supported; use one of: auto, {', '.join(FORMATS)}")
         test, reader = entry
         if test(names, folder):
-            return reader(folder, Location.of(hf_dir) if hf_dir else None, step=step)
+            options = {"custom_mapping": custom_mapping} if custom_mapping else {}
+            if options and reader is FsdpCheckpoint:
+                raise CheckpointError(f"{folder}: --custom-mapping applies to Megatron checkpoints; FSDP keeps HF names")
+            return reader(folder, Location.of(hf_dir) if hf_dir else None, step=step, **options)
     raise CheckpointError(f"{folder}: is not a {backend} checkpoint; try --backend auto")
