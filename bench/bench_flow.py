@@ -3,8 +3,9 @@
     python bench/bench_flow.py     # after bench/bench_merge.py has written bench/_work/ckpt-10-layers
 
 Starts a Prefect server (its start-up is excluded: deployments run against a long-lived one), then
-times in this process, medians of --repeat: the bare `merge_checkpoint`, a cold `promote_checkpoint`
-(fresh result storage), a rerun (every group cached), and an empty flow run (Prefect's fixed cost).
+times in this process, medians of --repeat: the bare `merge_checkpoint`, a cold promotion as
+`ckptflow promote` runs it (fresh result storage), a rerun (every group cached), and an empty flow
+run (Prefect's fixed cost).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def main() -> None:
     try:
         from prefect import flow
 
-        from flows.promote import promote_checkpoint
+        from flows.run import in_process_settings, run_promotion
         from mergecore import merge_checkpoint
 
         @flow
@@ -76,9 +77,10 @@ def main() -> None:
             bare.append(timed(lambda: merge_checkpoint(str(role), out, dtype="bf16")))
             shutil.rmtree(out, ignore_errors=True)
             os.environ["CKPTFLOW_RESULTS"] = str(args.work / f"flow-results-{time.time_ns()}")
-            cold.append(timed(lambda: promote_checkpoint(str(role), str(out), dtype="bf16")))
-            rerun.append(timed(lambda: promote_checkpoint(str(role), str(out), dtype="bf16")))
-            fixed.append(timed(empty))
+            cold.append(timed(lambda: run_promotion(checkpoint=str(role), target=str(out), dtype="bf16")))
+            rerun.append(timed(lambda: run_promotion(checkpoint=str(role), target=str(out), dtype="bf16")))
+            with in_process_settings():  # as the CLI runs flows: no heartbeat thread to join
+                fixed.append(timed(empty))
         med = {name: statistics.median(v) for name, v in
                {"bare": bare, "cold": cold, "rerun": rerun, "fixed": fixed}.items()}
         print(f"medians of {args.repeat} (10-layer bench checkpoint, bf16, warm page cache, server running)")

@@ -76,10 +76,9 @@ def hub(monkeypatch, tmp_path):
 @pytest.fixture(scope="session")
 def prefect_server():
     """A real Prefect API (temporary SQLite database) for the flow tests of this session."""
-    import os
-
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=60):
+    from flows.run import in_process_settings
+
+    with in_process_settings(), prefect_test_harness(server_startup_timeout=60):
         yield
