@@ -13,6 +13,7 @@ from ..storage import Location
 from .base import CheckpointSource, Piece, TensorInfo
 from .fsdp import FsdpCheckpoint, has_rank_files
 from .megatron_legacy import MegatronLegacyCheckpoint, has_mp_rank_folders
+from .megatron_dist import MegatronDistCheckpoint, has_dist_ckpt
 
 __all__ = ["CheckpointSource", "Piece", "TensorInfo", "open_checkpoint", "find_role_folder"]
 
@@ -23,6 +24,7 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 FORMATS = {
     "fsdp": (lambda names, folder: has_rank_files(names), FsdpCheckpoint),
     "megatron": (has_mp_rank_folders, MegatronLegacyCheckpoint),
+    "megatron_dist": (has_dist_ckpt, MegatronDistCheckpoint),
 }
 
 

@@ -1,0 +1,608 @@
+"""Megatron dist_ckpt checkpoints (torch_dist backend), read without megatron-core and without a process group.
+
+Layouts found from the role folder (`.../global_step_N/actor`):
+
+- verl 0.9.1: `model/dist_ckpt/` + `model/huggingface/` (and `optimizer/`, `extra/`, `ckpt_contents.json`,
+  `transformer_config.json`, which are not read);
+- older verl: `dist_ckpt/` + `huggingface/` at the role folder.
+
+A dist_ckpt folder holds `.metadata` (a pickled torch DCP `Metadata`: global shapes, saved chunks and
+where their bytes are), `__R_K.distcp` data files, `common.pt` and `metadata.json`
+(`"sharded_backend": "torch_dist"`). Global tensors do not depend on the training TP/PP/VPP sizes:
+each is the TP=1 tensor, so the mapping tables of `mergecore.megatron_maps` and the transforms of
+`mergecore.transforms` apply with `tp=1` (fc1 is `[gate; up]`, QKV rows are per query group, vocab
+rows padded).
+
+Decoder layers of a homogeneous model are stacked on a leading layer axis
+(`decoder.layers.self_attention.linear_qkv.weight` is `[L, rows, hidden]`); MoE experts add an expert
+axis after it (`decoder.layers.mlp.experts.experts.linear_fc1.weight` is `[L, E, 2*ffn, hidden]`).
+Heterogeneous models use per-layer keys `decoder.layers.<i>.<suffix>`. Every such slice is given a
+legacy-style name (`decoder.layers.<i>.<suffix>`, experts `...local_experts.<e>...`) and resolved with
+the same tables as legacy checkpoints.
+
+Only the byte ranges of the slice being merged are read (a load planner asking for one box of one
+key); optimizer state or extra state sharing the files is never touched. `.metadata` and `common.pt`
+are untrusted: they are unpickled with allow-lists, never with plain pickle (torch's
+`FileSystemReader.read_metadata` uses plain `pickle.load`, so it is bypassed).
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import pathlib
+import pickle
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from ..errors import CheckpointError, VerificationError
+from ..megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
+from ..storage import Location
+from ..tensorio import bitwise_equal
+from ..transforms import Transform, VocabParallel, make_transform
+from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
+
+DIST_DIR = "dist_ckpt"
+METADATA_FILE = ".metadata"
+MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "encoder.", "mtp.")
+_STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
+_PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# the expert axis of MoE weights in dist_ckpt: `mlp.experts.experts.linear_fc1.weight` (SequentialMLP and
+# TEGroupedMLP save under the same key); also accepted without the second `experts.`
+_EXPERTS = re.compile(r"^mlp\.experts\.(?:experts\.|local_experts\.)?(linear_fc[12]\.(?:weight|bias))$")
+
+
+def dist_ckpt_dir(folder: Location, names: list[str] | None = None) -> Location | None:
+    """The dist_ckpt folder of a role folder: `model/dist_ckpt` (verl 0.9.1) or `dist_ckpt` (older)."""
+    names = folder.listdir() if names is None else names
+    candidates = []
+    if "model" in names:
+        candidates.append(folder.join("model", DIST_DIR))
+    if DIST_DIR in names:
+        candidates.append(folder.join(DIST_DIR))
+    for candidate in candidates:
+        if candidate.join(METADATA_FILE).exists() or candidate.join("metadata.json").exists():
+            return candidate
+    return None
+
+
+def has_dist_ckpt(names: list[str], folder: Location | None = None) -> bool:
+    """A role folder holding a Megatron dist_ckpt (`model/dist_ckpt/` or `dist_ckpt/`)."""
+    if folder is None:
+        return DIST_DIR in names
+    if DIST_DIR not in names and "model" not in names:
+        return False
+    return dist_ckpt_dir(folder, names) is not None
+
+
+# ---- untrusted pickles -------------------------------------------------------------------------
+
+def _dcp_allowed() -> dict[tuple[str, str], object]:
+    from torch.distributed.checkpoint import filesystem, metadata, planner
+
+    allowed: dict[tuple[str, str], object] = {}
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"):
+        if hasattr(metadata, name):
+            allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(metadata, name)
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
+    # megatron-core keeps its cached save plan in `planner_data`: plain dataclasses and enums
+    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"):
+        if hasattr(planner, name):
+            allowed[("torch.distributed.checkpoint.planner", name)] = getattr(planner, name)
+    for module in ("pathlib", "pathlib._local"):  # StorageMeta.checkpoint_id: kept as a pure path, never opened
+        for name in ("PosixPath", "PurePosixPath"):
+            allowed[(module, name)] = pathlib.PurePosixPath
+        for name in ("WindowsPath", "PureWindowsPath"):
+            allowed[(module, name)] = pathlib.PureWindowsPath
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    allowed[("collections", "OrderedDict")] = collections.OrderedDict
+    allowed[("builtins", "set")] = set
+    allowed[("builtins", "frozenset")] = frozenset
+    return allowed
+
+
+_DTYPES = {name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """A global outside the allow-list: the file is refused, nothing of it is imported or called."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP `.metadata`: only torch's metadata dataclasses, dtypes, sizes and pure paths."""
+
+    _allowed: dict | None = None
+
+    def find_class(self, module: str, name: str):
+        if MetadataUnpickler._allowed is None:
+            MetadataUnpickler._allowed = _dcp_allowed()
+        if (module, name) in self._allowed:
+            return self._allowed[(module, name)]
+        if module == "torch" and name in _DTYPES:
+            return getattr(torch, name)
+        raise RefusedGlobal(f"global {module}.{name} is not allowed in a dist_ckpt .metadata")
+
+
+def load_dcp_metadata(location: Location):
+    """The DCP `Metadata` of a `.metadata` file, through the allow-list; one-line errors."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not location.exists():
+        raise CheckpointError(
+            f"{location}: missing; the dist_ckpt save was incomplete (every rank writes its .distcp file, then rank 0 "
+            "writes .metadata): copy the whole dist_ckpt folder again"
+        )
+    try:
+        with location.open("rb") as f:
+            data = f.read()
+        metadata = MetadataUnpickler(io.BytesIO(data)).load()
+    except RefusedGlobal as err:
+        raise CheckpointError(
+            f"{location}: refused to unpickle ({str(err).splitlines()[0]}); ckptflow only loads checkpoint metadata, "
+            "never arbitrary objects"
+        ) from None
+    except Exception as err:  # noqa: BLE001 - truncated or garbage file
+        raise CheckpointError(
+            f"{location}: cannot be read ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); the "
+            "file is truncated or not a torch distributed checkpoint: copy it again"
+        ) from None
+    if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+        raise CheckpointError(f"{location}: holds a {type(metadata).__name__}, not a torch distributed checkpoint Metadata")
+    if not isinstance(getattr(metadata, "storage_data", None), dict):
+        raise CheckpointError(f"{location}: has no storage index (storage_data); it was not written by FileSystemWriter")
+    return metadata
+
+
+def _reader_class(local: bool):
+    if local:
+        from torch.distributed.checkpoint import FileSystemReader as base
+    else:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as base
+
+    class _Reader(base):
+        """torch's reader, given metadata we unpickled ourselves (its read_metadata uses plain pickle)."""
+
+        def __init__(self, path, metadata):
+            super().__init__(path)
+            self._trusted_metadata = metadata
+
+        def read_metadata(self, *args, **kwargs):
+            return self._trusted_metadata
+
+    return _Reader
+
+
+def _box_planner(fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dest: torch.Tensor):
+    """A load planner that asks for one box of one key and copies it into `dest`."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class BoxPlanner(LoadPlanner):
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            self.metadata = metadata
+
+        def create_local_plan(self):
+            md = self.metadata.state_dict_metadata[fqn]
+            box = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            return LoadPlan(create_read_items_for_chunk_list(fqn, md, [box]))
+
+        def create_global_plan(self, global_plan):
+            return global_plan
+
+        def finish_plan(self, central_plan):
+            return central_plan
+
+        def load_bytes(self, read_item, value):
+            raise CheckpointError(f"{fqn}: holds bytes, not a tensor")
+
+        def resolve_tensor(self, read_item):
+            target = dest
+            for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                target = target.narrow(dim, start, length)
+            return target
+
+        def commit_tensor(self, read_item, tensor):
+            pass
+
+    return BoxPlanner()
+
+
+# ---- the index: HF name -> which box of which key --------------------------------------------
+
+@dataclass(frozen=True)
+class Slice:
+    """One legacy-style Megatron tensor inside a dist_ckpt key: `key[index]`."""
+
+    key: str
+    index: tuple[int, ...]
+    legacy_key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    position: int  # the key's position in the metadata (save order)
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    slice: Slice
+    part: str
+    transform: Transform
+    mapped: Mapped
+
+
+class MegatronDistCheckpoint(CheckpointSource):
+    format_name = "verl-megatron-dist"
+
+    def __init__(self, location: Location, hf_dir: Location | None = None, step: int | None = None,
+                 custom_mapping: str | None = None):
+        self.location = location
+        dist = dist_ckpt_dir(location)
+        if dist is None:
+            raise CheckpointError(
+                f"{location}: has no model/dist_ckpt or dist_ckpt folder with a .metadata file; point --local_dir at "
+                "the actor/critic folder of a verl Megatron dist_ckpt checkpoint"
+            )
+        self.dist_dir = dist
+        self.model_dir = dist  # for messages shared with the legacy reader's checks
+        if hf_dir is None:
+            candidates = [dist.parent.join("huggingface"), location.join("huggingface"), location.join("model", "huggingface")]
+            hf_dir = next((c for c in candidates if c.join("config.json").exists()), candidates[0])
+        self.hf_dir = hf_dir
+        self.step = step
+        self.custom_mapping = custom_mapping
+        self._check_backend()
+        self.metadata = load_dcp_metadata(dist.join(METADATA_FILE))
+
+    # ---- discovery -----------------------------------------------------------------------------
+
+    def _check_backend(self) -> None:
+        where = self.dist_dir.join("metadata.json")
+        if not where.exists():
+            raise CheckpointError(f"{where}: missing; the dist_ckpt save was incomplete: copy the whole folder again")
+        try:
+            info = json.loads(where.read_text())
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{where}: not valid JSON ({err}); copy it again from where training saved it") from None
+        backend = info.get("sharded_backend") if isinstance(info, dict) else None
+        if backend != "torch_dist":
+            raise CheckpointError(
+                f"{where}: sharded_backend is {backend!r}; only the torch_dist backend is supported (convert zarr "
+                "checkpoints with megatron-core's dist_checkpointing first)"
+            )
+        self.backend_info = info
+
+    @cached_property
+    def config(self) -> dict:
+        return read_hf_config(self)
+
+    @cached_property
+    def _tensor_keys(self) -> dict[str, object]:
+        """Model tensor keys of the metadata (extra state, bytes and non-model keys dropped)."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        keys = {}
+        for key, md in self.metadata.state_dict_metadata.items():
+            name = key
+            while name.startswith("module."):
+                name = name[len("module."):]
+            if not name.startswith(MODEL_PREFIXES) or "._extra_state" in name or SKIPPED.search(name):
+                continue
+            if not isinstance(md, TensorStorageMetadata):
+                continue  # ShardedObjects (bytes)
+            keys[key] = md
+        return keys
+
+    @cached_property
+    def _slices(self) -> list[Slice]:
+        slices = []
+        for position, (key, md) in enumerate(self._tensor_keys.items()):
+            name = key
+            while name.startswith("module."):
+                name = name[len("module."):]
+            shape = tuple(int(s) for s in md.size)
+            dtype = md.properties.dtype
+            stacked, per_layer = _STACKED.match(name), _PER_LAYER.match(name)
+            if stacked or per_layer:
+                suffix = stacked[1] if stacked else per_layer[2]
+                expert = _EXPERTS.match(suffix)
+                lead = (1 if stacked else 0) + (1 if expert else 0)
+                if len(shape) <= lead:
+                    raise CheckpointError(
+                        f"{self.dist_dir.join(METADATA_FILE)}: {key} has shape {shape}, too few dimensions for its "
+                        f"{'layer and expert' if lead == 2 else 'layer' if stacked else 'expert'} axes"
+                    )
+                ranges = [range(shape[d]) for d in range(lead)]
+                for index in _product(ranges):
+                    layer = index[0] if stacked else int(per_layer[1])
+                    if expert:
+                        e = index[-1]
+                        legacy = f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{expert[1]}"
+                    else:
+                        legacy = f"decoder.layers.{layer}.{suffix}"
+                    slices.append(Slice(key, index, legacy, shape[lead:], dtype, position))
+            else:
+                slices.append(Slice(key, (), name, shape, dtype, position))
+        return slices
+
+    def _is_value_model(self) -> bool:
+        architectures = self.config.get("architectures") or [""]
+        if str(architectures[0]).endswith(("ForTokenClassification", "ForSequenceClassification")):
+            return True
+        vocab = self.config.get("vocab_size")
+        for s in self._slices:
+            if s.legacy_key == "output_layer.weight":
+                return s.shape[0] == 1 and vocab is not None and int(vocab) > 1
+        return False
+
+    @cached_property
+    def _table(self):
+        custom = load_custom_mapping(self.custom_mapping) if self.custom_mapping else None
+        return table_for(self.config, custom, self._is_value_model())
+
+    def _make_transform(self, mapped: Mapped, s: Slice) -> Transform:
+        try:
+            if mapped.kind == "vocab":
+                return VocabParallel(int(self.config["vocab_size"]), padded_size=s.shape[0])
+            return make_transform(mapped.kind, self.config)
+        except (KeyError, ValueError) as err:
+            raise CheckpointError(f"{self.hf_dir.join('config.json')}: cannot size a {mapped.kind} tensor ({err})") from None
+
+    @cached_property
+    def _entries(self) -> dict[str, Entry]:
+        shown = str(self.dist_dir.join(METADATA_FILE))
+        found: list[tuple[tuple, Entry]] = []
+        seen: dict[str, Slice] = {}
+        for s in self._slices:
+            mapped = resolve(s.legacy_key, self._table, f"{shown}: {s.key}")
+            transform = self._make_transform(mapped, s)
+            names = mapped.hf_names()
+            if len(names) != len(transform.parts):
+                raise CheckpointError(
+                    f"{shown}: {s.key} maps to {len(names)} Hugging Face names but a {mapped.kind} tensor holds "
+                    f"{len(transform.parts)} ({', '.join(transform.parts)}); fix the mapping"
+                )
+            for order, (part, name) in enumerate(zip(transform.parts, names)):
+                if name in seen:
+                    raise CheckpointError(
+                        f"{shown}: {s.key} and {seen[name].key} both give {name}; the checkpoint holds a parameter "
+                        "twice: fix the mapping"
+                    )
+                seen[name] = s
+                found.append((_hf_order(s, order), Entry(name, s, part, transform, mapped)))
+        found.sort(key=lambda item: item[0])
+        return {entry.name: entry for _, entry in found}
+
+    # ---- reading -------------------------------------------------------------------------------
+
+    def _reader(self):
+        local = self.dist_dir.is_local
+        path = self.dist_dir.fs._strip_protocol(self.dist_dir.url) if local else self.dist_dir.url
+        return _reader_class(local)(path, self.metadata)
+
+    def read_slice(self, s: Slice) -> torch.Tensor:
+        """`key[index]` from the .distcp files: only the chunks overlapping that box are read."""
+        full = tuple(int(x) for x in self.metadata.state_dict_metadata[s.key].size)
+        lead = len(s.index)
+        offsets = (*s.index, *([0] * (len(full) - lead)))
+        sizes = (*([1] * lead), *full[lead:])
+        dest = torch.empty(sizes, dtype=s.dtype)
+        planner = _box_planner(s.key, offsets, sizes, dest)
+        try:
+            # torch's load protocol, one process, no collectives: the planner asks for the box, the reader reads
+            # only the chunks overlapping it (torch.load(weights_only=True) on each chunk's byte range)
+            reader = self._reader()
+            reader.set_up_storage_reader(self.metadata, True)
+            planner.set_up_planner({}, self.metadata, True)
+            plan = reader.prepare_local_plan(planner.create_local_plan())
+            plan = planner.finish_plan(reader.prepare_global_plan(planner.create_global_plan([plan]))[0])
+            reader.read_data(plan, planner).wait()
+        except CheckpointError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a missing or truncated .distcp file
+            files = ", ".join(sorted({p.name for p in self._files_for(s)}))
+            raise CheckpointError(
+                f"{self.dist_dir}: cannot read {s.key} from {files} ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''}); the file is missing or truncated: copy the whole "
+                "dist_ckpt folder again"
+            ) from None
+        return dest.reshape(s.shape)
+
+    @cached_property
+    def _chunk_files(self) -> dict[str, list[tuple[tuple, tuple, str]]]:
+        """key -> [(chunk offsets, chunk sizes, relative path of the file holding it)]."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        paths = {(index.fqn, tuple(index.offset or ())): info.relative_path
+                 for index, info in self.metadata.storage_data.items()}
+        out: dict[str, list] = {}
+        for key, md in self._tensor_keys.items():
+            for chunk in md.chunks:
+                offsets = tuple(int(o) for o in chunk.offsets)
+                path = paths.get((key, offsets))
+                if path is None:
+                    raise CheckpointError(
+                        f"{self.dist_dir.join(METADATA_FILE)}: {key} chunk at {offsets} has no storage entry; the "
+                        f"metadata is damaged ({MetadataIndex.__name__} missing)"
+                    )
+                out.setdefault(key, []).append((offsets, tuple(int(x) for x in chunk.sizes), path))
+        return out
+
+    def _files_for(self, s: Slice) -> list[Location]:
+        files = []
+        for offsets, sizes, path in self._chunk_files.get(s.key, []):
+            if all(o <= i < o + n for i, o, n in zip(s.index, offsets, sizes)):
+                files.append(self.dist_dir.join(path))
+        return files
+
+    # ---- the seam ------------------------------------------------------------------------------
+
+    @cached_property
+    def _infos(self) -> dict[str, TensorInfo]:
+        infos = {}
+        for name, entry in self._entries.items():
+            s = entry.slice
+            try:
+                shape = entry.transform.global_shape(s.shape, 1, entry.part)
+            except (ValueError, RuntimeError) as err:
+                raise CheckpointError(f"{self.dist_dir.join(METADATA_FILE)}: {s.key}: {err}") from None
+            where = s.key + (f"[{', '.join(map(str, s.index))}]" if s.index else "")
+            layout = f"{entry.transform!r} (dist_ckpt global tensor): {where}"
+            infos[name] = TensorInfo(name, tuple(shape), str(s.dtype).removeprefix("torch."), layout)
+        return infos
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        return self._infos
+
+    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        entry = self._entries[name]
+        value = entry.transform.combine([entry.transform.extract(self.read_slice(entry.slice), entry.part)], entry.part)
+        return (value.to(dtype) if dtype is not None else value).contiguous()
+
+    def check_round_trip(self, name: str, merged: torch.Tensor) -> int:
+        """Apply the inverse transform (TP=1) to `merged` and compare with the saved slice of the global
+        Megatron tensor (its `part` rows, vocabulary padding excluded), bit for bit in `merged.dtype`."""
+        entry = self._entries[name]
+        transform = entry.transform
+        expected = transform.trim(transform.scatter(merged, 1, entry.part)[0], 0, 1)
+        saved = transform.trim(transform.extract(self.read_slice(entry.slice), entry.part).to(merged.dtype), 0, 1)
+        if not bitwise_equal(expected, saved):
+            what = f" ({entry.part} part)" if entry.part else ""
+            where = f"[{', '.join(map(str, entry.slice.index))}]" if entry.slice.index else ""
+            files = ", ".join(str(f) for f in self._files_for(entry.slice))
+            raise VerificationError(
+                f"{files}: {entry.slice.key}{where}{what} differs from the merged {name}; the merge is wrong: do not "
+                "publish it (please report this)"
+            )
+        return 1
+
+    def pieces(self, name: str) -> Iterator[Piece]:
+        """The whole global tensor as one piece (dist_ckpt stores global tensors)."""
+        entry = self._entries[name]
+        tensor = self.read(name)
+        source = f"{self.dist_dir}:{entry.slice.key}" + (f"[{entry.slice.index}]" if entry.slice.index else "")
+        yield Piece(source, (0,) * tensor.dim(), tuple(tensor.shape), tensor)
+
+    def input_files(self, names: Iterable[str] | None = None) -> list[Location]:
+        entries = self._entries.values() if names is None else [self._entries[n] for n in names if n in self._entries]
+        files: dict[str, Location] = {}
+        for entry in entries:
+            for location in self._files_for(entry.slice):
+                files[location.url] = location
+        return [files[k] for k in sorted(files)]
+
+    # ---- checks --------------------------------------------------------------------------------
+
+    def validate(self, check_replicas: bool = False) -> None:
+        """Metadata against config.json (layers, heads, hidden size, vocab), mapping, storage index."""
+        from .megatron_legacy import MegatronLegacyCheckpoint
+
+        config = self.config
+        shown = self.dist_dir.join(METADATA_FILE)
+        where = self.hf_dir.join("config.json")
+        if not self._tensor_keys:
+            raise CheckpointError(f"{shown}: holds no model tensors (embedding.*, decoder.*, output_layer.*); it is not a "
+                                  "model dist_ckpt (optimizer/ or extra/?): point --local_dir at the role folder")
+        hidden = config.get("hidden_size")
+        layers = config.get("num_hidden_layers")
+        for key, md in self._tensor_keys.items():
+            shape = tuple(int(s) for s in md.size)
+            if _STACKED.match(key) and isinstance(layers, int) and shape[0] != layers:
+                raise CheckpointError(
+                    f"{shown}: {key} stacks {shape[0]} decoder layers but num_hidden_layers={layers} in {where}; the "
+                    "checkpoint and config.json are from different models (pass --hf_model_path with the right config)"
+                )
+        entries = self._entries
+        for entry in entries.values():
+            s, transform = entry.slice, entry.transform
+            if transform.kind == "qkv" and entry.part == "q":
+                want = transform.num_kv_heads * transform.group_rows
+                if s.shape[0] != want:
+                    raise CheckpointError(
+                        f"{shown}: {s.key} has {s.shape[0]} rows per layer but {where} implies {want} ({transform!r}: "
+                        "num_attention_heads, num_key_value_heads, head_dim); the checkpoint and config.json are from "
+                        "different models (pass --hf_model_path with the right config)"
+                    )
+            if transform.kind in ("qkv", "vocab", "gated") and len(s.shape) == 2 and isinstance(hidden, int) \
+                    and s.shape[1] != hidden and entry.part in ("", "q", "gate"):
+                raise CheckpointError(
+                    f"{shown}: {s.key} has {s.shape[1]} columns but hidden_size={hidden} in {where}; the checkpoint and "
+                    "config.json are from different models (pass --hf_model_path with the right config)"
+                )
+            if transform.kind == "vocab" and s.shape[0] < transform.vocab_size:
+                raise CheckpointError(
+                    f"{shown}: {s.key} has {s.shape[0]} rows, fewer than vocab_size={transform.vocab_size} in {where}; "
+                    "the config is not this model's (pass --hf_model_path with the right config)"
+                )
+            if transform.kind == "gated" and s.shape[0] % 2:
+                raise CheckpointError(f"{shown}: {s.key} has an odd number of rows, not [gate; up]")
+        MegatronLegacyCheckpoint._check_layers(self, config)
+        MegatronLegacyCheckpoint._check_moe(self, config)
+        self._chunk_files  # noqa: B018 - every model chunk has a storage entry
+        missing = sorted({path for chunks in self._chunk_files.values() for _, _, path in chunks
+                          if not self.dist_dir.join(path).exists()})
+        if missing:
+            raise CheckpointError(
+                f"{self.dist_dir.join(missing[0])}: missing ({len(missing)} data files missing); the save was "
+                "incomplete: copy the whole dist_ckpt folder again"
+            )
+        self.common  # noqa: B018 - common.pt is refused here if it is not a plain checkpoint pickle
+        self.tensors()
+
+    @cached_property
+    def common(self) -> dict:
+        """`common.pt` (non-sharded state: iteration, args...), through the Megatron allow-list."""
+        from .megatron_legacy import load_model_file
+
+        location = self.dist_dir.join("common.pt")
+        if not location.exists():
+            return {}
+        loaded = load_model_file(location.local_file(), str(location))
+        return loaded if isinstance(loaded, dict) else {}
+
+    def describe(self) -> dict:
+        layered = {s.index[0] if _STACKED.match(s.key) else int(_PER_LAYER.match(s.key)[1])
+                   for s in self._slices if s.key.startswith("decoder.layers.")}
+        files = sorted({path for chunks in self._chunk_files.values() for _, _, path in chunks})
+        iteration = self.common.get("iteration")
+        return {
+            "format": self.format_name,
+            "location": str(self.location),
+            "step": self.step,
+            "role": self.location.name,
+            "world_size": len(files),
+            "dist_ckpt": str(self.dist_dir),
+            "sharded_backend": self.backend_info.get("sharded_backend"),
+            "stacked_layers": any(_STACKED.match(k) for k in self._tensor_keys),
+            "layers": len(layered),
+            "iteration": iteration if isinstance(iteration, int) else None,
+            "files": [f"{self.dist_dir.name}/{f}" for f in files],
+        }
+
+
+def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:
+    import itertools
+
+    return itertools.product(*ranges)
+
+
+def _hf_order(s: Slice, part: int) -> tuple:
+    """Hugging Face order: embedding, layers in order (experts in order), final norm, output head."""
+    match = re.match(r"decoder\.layers\.(\d+)\.", s.legacy_key)
+    if s.legacy_key.startswith("embedding."):
+        group = (0, 0)
+    elif match:
+        group = (1, int(match[1]))
+    elif s.legacy_key.startswith("decoder."):
+        group = (2, 0)
+    else:
+        group = (3, 0)
+    expert = s.index[1:] if _STACKED.match(s.key) else s.index
+    return (*group, s.position, tuple(expert), part)

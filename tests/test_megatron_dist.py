@@ -1,0 +1,350 @@
+"""Megatron dist_ckpt (torch_dist) checkpoints: HF -> global Megatron tensors in DCP files -> merge is the identity."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mergecore import CheckpointError, VerificationError, compare_logits, compare_with_reference, merge_checkpoint
+from mergecore import open_checkpoint, prepare, verify_round_trip
+from mergecore.formats.megatron_dist import MegatronDistCheckpoint
+from mergecore.megatron_dist_fixtures import OPTIMIZER_KEY, write_dist_checkpoint
+from mergecore.megatron_fixtures import MegatronFixture
+from mergecore.tensorio import HfWeights
+
+# name -> (arch, layout, stacked layer axis)
+CASES = {
+    "llama": ("llama", "verl091", True),
+    "qwen2": ("qwen2", "verl091", True),
+    "qwen3-per-layer-old": ("qwen3", "old", False),
+    "qwen2_moe": ("qwen2_moe", "verl091", True),
+    "qwen3_moe-per-layer-old": ("qwen3_moe", "old", False),
+    "llama-tied-old": ("llama-tied", "old", True),
+    "critic": ("critic", "verl091", True),
+}
+
+
+@pytest.fixture(scope="session")
+def dist(tmp_path_factory):
+    made: dict = {}
+
+    def get(case: str) -> MegatronFixture:
+        if case not in made:
+            arch, layout, stacked = CASES[case]
+            made[case] = write_dist_checkpoint(tmp_path_factory.mktemp(case), arch, layout=layout, stacked=stacked)
+        return made[case]
+
+    return get
+
+
+@pytest.fixture
+def dist_copy(dist, tmp_path):
+    def copy(case: str) -> MegatronFixture:
+        original = dist(case)
+        root = tmp_path / "copy"
+        shutil.copytree(original.run_root, root)
+        relocate = lambda p: root / Path(p).relative_to(original.run_root)  # noqa: E731
+        return MegatronFixture(root, relocate(original.role_dir), relocate(original.reference_dir))
+
+    return copy
+
+
+def dist_dir(ckpt: MegatronFixture) -> Path:
+    nested = ckpt.role_dir / "model" / "dist_ckpt"
+    return nested if nested.exists() else ckpt.role_dir / "dist_ckpt"
+
+
+def hf_config_file(ckpt: MegatronFixture) -> Path:
+    return dist_dir(ckpt).parent / "huggingface" / "config.json"
+
+
+def edit_config(ckpt: MegatronFixture, **changes) -> None:
+    path = hf_config_file(ckpt)
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def one_line_error(excinfo) -> str:
+    text = str(excinfo.value)
+    assert "\n" not in text
+    return text
+
+
+@pytest.fixture
+def read_requests(monkeypatch):
+    """Every (key, storage offsets) that torch's reader is asked for."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    seen: list[tuple[str, tuple]] = []
+    original = FileSystemReader.read_data
+
+    def recording(self, plan, planner):
+        seen.extend((item.storage_index.fqn, tuple(item.storage_offsets)) for item in plan.items)
+        return original(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", recording)
+    return seen
+
+
+# ---- merging ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_merge_is_the_identity(case, dist, tmp_path):
+    ckpt = dist(case)
+    manifest = merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="keep")
+    assert compare_with_reference(tmp_path / "out", ckpt.reference_dir)["max_abs_diff"] == 0.0
+    assert manifest["source"]["format"] == "verl-megatron-dist"
+    assert manifest["source"]["stacked_layers"] == CASES[case][2]
+    check = manifest["verification"][0]
+    assert check["ok"] and check["pieces"] == check["tensors"]
+
+
+@pytest.mark.parametrize("case", ["qwen3-per-layer-old", "qwen2_moe", "llama-tied-old", "critic"])
+def test_logits_equal_the_source_model(case, dist, tmp_path):
+    ckpt = dist(case)
+    merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="keep")
+    assert compare_logits(tmp_path / "out", ckpt.reference_dir)["max_abs_diff"] == 0.0
+
+
+def test_tied_embeddings_have_no_output_layer(dist):
+    source = open_checkpoint(str(dist("llama-tied-old").run_root))
+    assert "lm_head.weight" not in source.tensors()
+    assert "output_layer.weight" not in source.metadata.state_dict_metadata
+
+
+def test_both_layouts_are_found(dist):
+    new, old = dist("qwen2"), dist("qwen3-per-layer-old")
+    for ckpt, nested in ((new, True), (old, False)):
+        for path in (ckpt.run_root, ckpt.role_dir, ckpt.role_dir.parent):
+            source = open_checkpoint(str(path))
+            assert isinstance(source, MegatronDistCheckpoint)
+            assert source.dist_dir.url.endswith("actor/model/dist_ckpt" if nested else "actor/dist_ckpt")
+            assert source.hf_dir.url.endswith("actor/model/huggingface" if nested else "actor/huggingface")
+        assert isinstance(open_checkpoint(str(ckpt.role_dir), backend="megatron_dist"), MegatronDistCheckpoint)
+    with pytest.raises(CheckpointError, match="is not a megatron checkpoint"):
+        open_checkpoint(str(new.role_dir), backend="megatron")  # the legacy reader does not claim it
+
+
+def test_names_shapes_order_and_describe(dist):
+    source = open_checkpoint(str(dist("qwen3-per-layer-old").role_dir))
+    infos = source.tensors()
+    names = list(infos)
+    assert names[0] == "model.embed_tokens.weight" and names[-2:] == ["model.norm.weight", "lm_head.weight"]
+    assert infos["model.embed_tokens.weight"].shape == (300, 64)  # 384 padded rows in the file, trimmed
+    assert source.metadata.state_dict_metadata["embedding.word_embeddings.weight"].size == torch.Size([384, 64])
+    assert infos["model.layers.3.self_attn.q_proj.weight"].shape == (128, 64)  # head_dim 32
+    assert infos["model.layers.3.self_attn.k_proj.weight"].shape == (64, 64)
+    layers = [int(n.split(".")[2]) for n in names if n.startswith("model.layers.")]
+    assert layers == sorted(layers) and set(layers) == {0, 1, 2, 3}
+    facts = source.describe()
+    assert facts["format"] == "verl-megatron-dist" and facts["layers"] == 4 and facts["iteration"] == 10
+    assert facts["files"] == ["dist_ckpt/__0_0.distcp"]
+    moe = open_checkpoint(str(dist("qwen2_moe").role_dir)).tensors()
+    assert moe["model.layers.2.mlp.experts.3.gate_proj.weight"].layout.endswith(
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight[2, 3]")
+
+
+def test_reads_only_the_requested_layer_never_optimizer_state(dist, read_requests, tmp_path):
+    ckpt = dist("qwen2")
+    source = open_checkpoint(str(ckpt.role_dir))
+    k = source.read("model.layers.2.self_attn.k_proj.weight", torch.bfloat16)
+    assert k.dtype == torch.bfloat16 and k.shape == (32, 64)
+    assert read_requests == [("decoder.layers.self_attention.linear_qkv.weight", (2, 0, 0))]
+    read_requests.clear()
+    merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="keep")
+    keys = {key for key, _ in read_requests}
+    assert keys and not any("optimizer" in k or "_extra_state" in k for k in keys)
+
+
+def test_damaged_optimizer_bytes_do_not_matter(dist_copy, tmp_path):
+    """Optimizer state sharing the .distcp file is never parsed: zero its byte range, the merge is still exact."""
+    ckpt = dist_copy("llama")
+    source = open_checkpoint(str(ckpt.role_dir))
+    (info,) = [v for k, v in source.metadata.storage_data.items() if k.fqn == OPTIMIZER_KEY]
+    path = dist_dir(ckpt) / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset: info.offset + info.length] = bytes(info.length)
+    path.write_bytes(bytes(data))
+    merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="keep")
+    assert compare_with_reference(tmp_path / "out", ckpt.reference_dir)["max_abs_diff"] == 0.0
+
+
+def test_input_files_come_from_the_storage_index(dist):
+    ckpt = dist("qwen2")
+    source = open_checkpoint(str(ckpt.role_dir))
+    files = source.input_files(["model.layers.1.mlp.up_proj.weight"])
+    assert [Path(str(f)) for f in files] == [dist_dir(ckpt) / "__0_0.distcp"]
+    assert source.input_files() == files
+
+
+def test_bf16_output_is_the_cast_source(dist, tmp_path):
+    ckpt = dist("qwen2")
+    merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="bf16")
+    with HfWeights(tmp_path / "out") as ours, HfWeights(ckpt.reference_dir) as reference:
+        assert sorted(ours.names()) == sorted(reference.names())
+        for name in reference.names():
+            assert torch.equal(ours.get(name), reference.get(name).to(torch.bfloat16)), name
+
+
+# ---- verification ----------------------------------------------------------------------------
+
+def test_check_round_trip_catches_a_tampered_output(dist, tmp_path):
+    ckpt = dist("qwen2")
+    merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="keep")
+    source = open_checkpoint(str(ckpt.role_dir))
+    with HfWeights(tmp_path / "out") as weights:
+        for name in ("model.layers.3.self_attn.v_proj.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight"):
+            tensor = weights.get(name)
+            assert source.check_round_trip(name, tensor) == 1
+            bad = tensor.clone()
+            bad[-1, -1] += 1
+            with pytest.raises(VerificationError, match=r"__0_0.distcp: .* differs from the merged") as excinfo:
+                source.check_round_trip(name, bad)
+            one_line_error(excinfo)
+    # the whole output tampered on disk: verify_round_trip refuses it
+    from safetensors.torch import load_file, save_file
+
+    (file,) = sorted((tmp_path / "out").glob("*.safetensors"))
+    state = load_file(file)
+    state["model.layers.1.self_attn.q_proj.bias"][0] += 1
+    save_file(state, file, metadata={"format": "pt"})
+    with pytest.raises(VerificationError, match=r"decoder.layers.self_attention.linear_qkv.bias\[1\] \(q part\)"):
+        verify_round_trip(open_checkpoint(str(ckpt.role_dir)), tmp_path / "out", {})
+
+
+# ---- untrusted pickles -----------------------------------------------------------------------
+
+class _Evil:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_metadata_is_refused_without_running(dist_copy, tmp_path):
+    ckpt = dist_copy("llama")
+    marker = tmp_path / "pwned"
+    (dist_dir(ckpt) / ".metadata").write_bytes(pickle.dumps(_Evil(marker)))
+    with pytest.raises(CheckpointError, match=r"\.metadata: refused to unpickle \(global (posix|os)\.system") as excinfo:
+        merge_checkpoint(str(ckpt.role_dir), tmp_path / "out")
+    one_line_error(excinfo)
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_malicious_common_pt_is_refused(dist_copy, tmp_path):
+    ckpt = dist_copy("llama")
+    marker = tmp_path / "pwned"
+    torch.save({"iteration": 1, "evil": _Evil(marker)}, dist_dir(ckpt) / "common.pt")
+    with pytest.raises(CheckpointError, match=r"common.pt: refused to unpickle") as excinfo:
+        merge_checkpoint(str(ckpt.role_dir), tmp_path / "out")
+    one_line_error(excinfo)
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_truncated_metadata(dist_copy):
+    ckpt = dist_copy("llama")
+    path = dist_dir(ckpt) / ".metadata"
+    path.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(CheckpointError, match=r"\.metadata: cannot be read") as excinfo:
+        open_checkpoint(str(ckpt.role_dir))
+    one_line_error(excinfo)
+
+
+# ---- bad inputs: one line each, nothing written -----------------------------------------------
+
+@pytest.mark.parametrize("changes, message", [
+    ({"num_hidden_layers": 5}, r"\.metadata: decoder.layers.* stacks 4 decoder layers but num_hidden_layers=5"),
+    ({"num_key_value_heads": 4}, r"\.metadata: decoder.layers.self_attention.linear_qkv.(weight|bias) has 128 rows per layer "
+                                 r"but .*config.json implies 192"),
+    ({"hidden_size": 96, "head_dim": 16}, r"has 64 columns but hidden_size=96"),
+    ({"vocab_size": 500}, r"embedding.word_embeddings.weight has 384 rows, fewer than vocab_size=500"),
+])
+def test_metadata_must_match_the_config(changes, message, dist_copy, tmp_path):
+    ckpt = dist_copy("qwen2")
+    edit_config(ckpt, **changes)
+    with pytest.raises(CheckpointError, match=message) as excinfo:
+        merge_checkpoint(str(ckpt.role_dir), tmp_path / "out")
+    one_line_error(excinfo)
+    assert not (tmp_path / "out").exists()
+
+
+def test_per_layer_keys_must_cover_the_config_layers(dist_copy, tmp_path):
+    ckpt = dist_copy("qwen3-per-layer-old")
+    edit_config(ckpt, num_hidden_layers=5)
+    with pytest.raises(CheckpointError, match=r"holds 4 decoder layers but num_hidden_layers=5 .*layer 4 missing") as excinfo:
+        merge_checkpoint(str(ckpt.role_dir), tmp_path / "out")
+    one_line_error(excinfo)
+    assert not (tmp_path / "out").exists()
+
+
+def test_other_backends_and_missing_files(dist_copy, tmp_path):
+    ckpt = dist_copy("llama")
+    (dist_dir(ckpt) / "__0_0.distcp").unlink()
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp: missing .*copy the whole dist_ckpt folder") as excinfo:
+        prepare(str(ckpt.role_dir))
+    one_line_error(excinfo)
+    (dist_dir(ckpt) / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr"}))
+    with pytest.raises(CheckpointError, match=r"metadata.json: sharded_backend is 'zarr'; only the torch_dist"):
+        open_checkpoint(str(ckpt.role_dir))
+
+
+# ---- real megatron-core (optional) -------------------------------------------------------------
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_real_megatron_core_dist_ckpt(kind, tmp_path):
+    """A GPTModel saved by megatron-core's own dist_checkpointing (TP=1, one gloo process) reads back exactly:
+    every HF tensor equals the model's own parameter (module state, per-layer names), mapped with TP=1."""
+    import importlib.util
+
+    from mergecore.megatron_maps import resolve, table_for
+    from mergecore.transforms import make_transform
+
+    # not imported here: megatron.core adds safe globals (Namespace, BytesIO...) to torch.load(weights_only=True)
+    # for the whole process; the save runs in a subprocess
+    if importlib.util.find_spec("megatron.core") is None:
+        pytest.skip("megatron-core is not installed (pip install '.[megatron]')")
+    out = tmp_path / "mcore" / "global_step_3" / "actor"
+    script = Path(__file__).with_name("mcore_dist_save.py")
+    done = subprocess.run([sys.executable, str(script), str(out), _free_port(), kind], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    params = torch.load(out / "params.pt", weights_only=True)
+    source = open_checkpoint(str(tmp_path / "mcore"))
+    assert isinstance(source, MegatronDistCheckpoint) and source.step == 3
+    source.validate()
+    assert source.describe()["stacked_layers"] and source.describe()["layers"] == 2
+    config = json.loads((out / "huggingface" / "config.json").read_text())
+    table = table_for(config)
+    expected = {}
+    for key, value in params.items():
+        mapped = resolve(key, table)
+        transform = make_transform(mapped.kind, config)
+        expected.update(zip(mapped.hf_names(), (transform.merge([value])[part] for part in transform.parts)))
+    assert sorted(expected) == sorted(source.tensors())
+    for name, tensor in expected.items():
+        assert torch.equal(source.read(name), tensor), name
+    manifest = merge_checkpoint(str(out), tmp_path / "merged", dtype="keep")
+    assert manifest["verification"][0]["ok"] and manifest["verification"][0]["tensors"] == len(expected)
+    if kind == "dense":  # Megatron's own forward runs on CPU for the local dense spec (not for MoE: TE kernels)
+        import transformers
+
+        reference = torch.load(out / "logits.pt", weights_only=True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = model(reference["tokens"]).logits
+        assert torch.allclose(logits, reference["logits"], rtol=0, atol=1e-5), (logits - reference["logits"]).abs().max()
