@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .megatron_fixtures import MegatronFixture, reshard, tiny_model
+from .megatron_fixtures import MegatronFixture, reshard, write_reference
 
 __all__ = ["write_dist_checkpoint", "to_dist_state", "OPTIMIZER_KEY"]
 
@@ -104,16 +104,8 @@ def write_dist_checkpoint(
     role: str | None = None,
 ) -> MegatronFixture:
     """A dist_ckpt checkpoint of a tiny `arch` model (see megatron_fixtures.ARCHS), plus `reference/`."""
-    from safetensors.torch import load_file
-
     out_dir = Path(out_dir)
-    model = tiny_model(arch, seed)
-    reference = out_dir / "reference"
-    model.save_pretrained(reference)
-    hf_state = {}
-    for file in sorted(reference.glob("*.safetensors")):
-        hf_state.update(load_file(file))
-    config = json.loads((reference / "config.json").read_text())
+    reference, hf_state, config = write_reference(out_dir, arch, seed)
     value_model = arch == "critic"
     role = role or ("critic" if value_model else "actor")
     legacy = reshard(hf_state, config, tp=1, value_model=value_model)[(0, 0)][0]

@@ -167,6 +167,18 @@ def _with_extra_state(chunk: OrderedDict, style: str) -> OrderedDict:
     return result
 
 
+def write_reference(out_dir: Path, arch: str, seed: int = 0) -> tuple[Path, dict, dict]:
+    """Save a tiny seeded `arch` model as `out_dir/reference`; return the folder, its tensors and config."""
+    from safetensors.torch import load_file
+
+    reference = out_dir / "reference"
+    tiny_model(arch, seed).save_pretrained(reference)
+    state = {}
+    for file in sorted(reference.glob("*.safetensors")):
+        state.update(load_file(file))
+    return reference, state, json.loads((reference / "config.json").read_text())
+
+
 def write_megatron_checkpoint(
     out_dir: str | Path,
     arch: str,
@@ -186,18 +198,11 @@ def write_megatron_checkpoint(
     (`{"model0": ..., "model1": ..., "args": Namespace, "checkpoint_version": 3.0, "iteration": step}`;
     with a single stage `{"model": state dict}`).
     """
-    from safetensors.torch import load_file
 
     out_dir = Path(out_dir)
-    model = tiny_model(arch, seed)
     value_model = arch == "critic"
     role = role or ("critic" if value_model else "actor")
-    reference = out_dir / "reference"
-    model.save_pretrained(reference)
-    state = {}
-    for file in sorted(reference.glob("*.safetensors")):
-        state.update(load_file(file))
-    config = json.loads((reference / "config.json").read_text())
+    reference, state, config = write_reference(out_dir, arch, seed)
 
     pieces = reshard(state, config, tp, pp, vpp, value_model=value_model, skip_rows=skip_rows, expert_tp=expert_tp)
     role_dir = out_dir / f"global_step_{step}" / role
