@@ -66,6 +66,8 @@ DENSE_MLP_ROWS: Table = {
 _EXPERT = H + "mlp.experts.{}."
 MOE_ROWS: Table = {
     L + "pre_mlp_layernorm.weight": (H + "post_attention_layernorm.weight", "replicated"),
+    # megatron-core's local spec keeps the fused name even in MoE layers
+    L + "mlp.linear_fc1.layer_norm_weight": (H + "post_attention_layernorm.weight", "replicated"),
     L + "mlp.router.weight": (H + "mlp.gate.weight", "replicated"),
     # SequentialMLP: one module per local expert
     L + "mlp.experts.local_experts.{}.linear_fc1.weight": ((_EXPERT + "gate_proj.weight", _EXPERT + "up_proj.weight"), "gated"),
