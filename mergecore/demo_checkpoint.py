@@ -569,13 +569,15 @@ def _spawnable_main():
 
 
 def _run_distributed(spec: DemoSpec, role_dir: Path, reference_dir: Path) -> None:
-    # The free port is only known to be free when we looked; if another process grabbed it before
-    # rank 0 bound it, try again with a new one.
+    # Worth another try: the free port was taken before rank 0 bound it, or a rank died by a signal,
+    # as gloo's teardown occasionally aborts a process on a loaded 2-core machine
+    # ("terminate called without an active exception"). Every rank rewrites its files on a retry.
     for attempt in range(3):
         try:
             return _run_ranks(spec, role_dir, reference_dir, _free_port())
         except DemoCheckpointError as exc:
-            if attempt == 2 or "address already in use" not in str(exc).lower():
+            transient = "address already in use" in str(exc).lower() or "signal" in str(exc).lower()
+            if attempt == 2 or not transient:
                 raise
 
 
