@@ -23,7 +23,7 @@ out = Console()
 err = Console(stderr=True)
 
 # Options shared by several commands: (default, names..., help)
-BACKEND = typer.Option("auto", "--backend", help="Checkpoint format: auto, fsdp or megatron (legacy mp_rank folders).")
+BACKEND = typer.Option("auto", "--backend", help="Checkpoint format: auto, fsdp, megatron (legacy mp_rank folders) or megatron_dist.")
 LOCAL_DIR = typer.Option(..., "--local_dir", "--local-dir", help="Role folder, global_step_N folder or run root (path or fsspec URL).")
 HF_MODEL_PATH = typer.Option(None, "--hf_model_path", "--hf-model-path", help="Folder with config.json when the checkpoint lacks huggingface/.")
 ROLE = typer.Option("actor", "--role", help="actor or critic, when --local_dir is a step folder or run root.")
