@@ -93,6 +93,7 @@ def prepare(
     tie_word_embedding: bool | None = None,
     check_replicas: bool = False,
     custom_mapping: str | None = None,
+    source: CheckpointSource | None = None,
 ) -> Prepared:
     """Discover, validate against config.json, and plan. Raises CheckpointError on bad input.
 
@@ -100,7 +101,7 @@ def prepare(
     >>> prepared.plan.files
     ['model-00001-of-00001.safetensors']
     """
-    source = open_checkpoint(checkpoint, role=role, backend=backend, hf_dir=hf_dir, custom_mapping=custom_mapping)
+    source = source or open_checkpoint(checkpoint, role, backend, hf_dir, custom_mapping)  # or one already opened
     config = read_hf_config(source)
     source.validate(check_replicas=check_replicas)
     shapes = {name: info.shape for name, info in source.tensors().items()}

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from prefect import task
 
-from mergecore import MergePlan, open_checkpoint, staging_folder
+from mergecore import MergePlan, staging_folder
 from mergecore.fingerprints import input_fingerprints
 from mergecore.writer import prepare_files
 
-from .sources import CheckpointRef, prepared_for
+from .sources import CheckpointRef, prepared_for, source_for
 
 
 @task(name="discover_shards")
 def discover_shards(ref: CheckpointRef) -> dict:
     """Find the rank files, world size, mesh and huggingface/ folder behind a path or URL."""
-    source = open_checkpoint(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.custom_mapping)
+    source = source_for(ref)
     return {**source.describe(), "fingerprints": input_fingerprints(source)}
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from mergecore import Prepared, prepare
+from mergecore.formats import CheckpointSource, open_checkpoint
 
 
 @dataclass(frozen=True)
@@ -27,15 +28,28 @@ class CheckpointRef:
 
 
 @lru_cache(maxsize=4)
+def _opened(ref: CheckpointRef, fingerprints: str) -> CheckpointSource:
+    return open_checkpoint(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.custom_mapping)
+
+
+@lru_cache(maxsize=4)
 def _prepared(ref: CheckpointRef, fingerprints: str) -> Prepared:
     return prepare(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.dtype, ref.max_shard_size,
-                   ref.tie_word_embedding, custom_mapping=ref.custom_mapping)
+                   ref.tie_word_embedding, custom_mapping=ref.custom_mapping, source=_opened(ref, fingerprints))
+
+
+def _fingerprints(ref: CheckpointRef) -> str:
+    """Listing the folder and stat-ing the input files: cheap, and it changes when any input does."""
+    from mergecore.fingerprints import digest, input_fingerprints
+
+    return digest(input_fingerprints(open_checkpoint(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.custom_mapping)))
+
+
+def source_for(ref: CheckpointRef) -> CheckpointSource:
+    """The opened checkpoint for `ref` (rank files mmapped once per process while they are unchanged)."""
+    return _opened(ref, _fingerprints(ref))
 
 
 def prepared_for(ref: CheckpointRef) -> Prepared:
-    """The validated, planned checkpoint for `ref` (cached per process while its files are unchanged)."""
-    from mergecore.fingerprints import digest, input_fingerprints
-    from mergecore.formats import open_checkpoint
-
-    source = open_checkpoint(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.custom_mapping)
-    return _prepared(ref, digest(input_fingerprints(source)))
+    """The validated, planned checkpoint for `ref`, sharing `source_for`'s opened files."""
+    return _prepared(ref, _fingerprints(ref))
