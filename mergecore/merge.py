@@ -259,12 +259,13 @@ def merge_checkpoint(
     hashes = BackgroundHashes(staging)
     try:
         prepare_files(plan, staging)
-        receipts, pending = [], list(plan.groups)
+        receipts = []
+        # Files are packed in group order: a file is complete once the group of its last tensor is written,
+        # and is hashed while later groups merge.
+        completed_by = {t.file: t.group for t in plan.tensors}
         for group in plan.groups:
             receipts.append(merge_group(prepared.source, plan, group, staging, workers, on_tensor))
-            pending.remove(group)
-            # a file whose groups are all written is hashed while later groups merge
-            hashes.start([f for f in plan.files if not any(t.file == f for g in pending for t in plan.in_group(g))])
+            hashes.start([file for file, last in completed_by.items() if last == group])
             if on_group:
                 on_group(group, receipts[-1])
         clock.lap("merge")

@@ -43,14 +43,14 @@ def demo(tmp_path_factory):
 def demo_copy(demo, tmp_path):
     """`demo_copy(name)` -> a private copy of a demo run that a test may damage."""
 
-    def copy(name: str) -> DemoCheckpoint:
-        original = demo(name)
-        root = tmp_path / name
-        shutil.copytree(original.run_root, root)
-        relocate = lambda p: root / Path(p).relative_to(original.run_root)  # noqa: E731
-        return DemoCheckpoint(root, relocate(original.role_dir), relocate(original.reference_dir))
+    return lambda name: copy_run(demo(name), tmp_path / name)
 
-    return copy
+
+def copy_run(original, root: Path):
+    """A copy of a fixture run (run_root, role_dir, reference_dir) at `root`, of the same type."""
+    shutil.copytree(original.run_root, root)
+    relocate = lambda p: root / Path(p).relative_to(original.run_root)  # noqa: E731
+    return type(original)(root, relocate(original.role_dir), relocate(original.reference_dir))
 
 
 @pytest.fixture

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import copy_run
 import torch
 
 from mergecore import CheckpointError, VerificationError, compare_logits, compare_with_reference, merge_checkpoint
@@ -49,11 +49,7 @@ def dist(tmp_path_factory):
 @pytest.fixture
 def dist_copy(dist, tmp_path):
     def copy(case: str) -> MegatronFixture:
-        original = dist(case)
-        root = tmp_path / "copy"
-        shutil.copytree(original.run_root, root)
-        relocate = lambda p: root / Path(p).relative_to(original.run_root)  # noqa: E731
-        return MegatronFixture(root, relocate(original.role_dir), relocate(original.reference_dir))
+        return copy_run(dist(case), tmp_path / "copy")
 
     return copy
 

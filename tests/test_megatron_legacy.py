@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import copy_run
 import torch
 
 from mergecore import CheckpointError, VerificationError, compare_logits, compare_with_reference, merge_checkpoint
@@ -39,11 +40,7 @@ def mcore_copy(mcore, tmp_path):
     """A private copy that a test may damage."""
 
     def copy(arch: str, layout: str = "tp2-pp2-vpp2", **kwargs) -> MegatronFixture:
-        original = mcore(arch, layout, **kwargs)
-        root = tmp_path / "copy"
-        shutil.copytree(original.run_root, root)
-        relocate = lambda p: root / Path(p).relative_to(original.run_root)  # noqa: E731
-        return MegatronFixture(root, relocate(original.role_dir), relocate(original.reference_dir))
+        return copy_run(mcore(arch, layout, **kwargs), tmp_path / "copy")
 
     return copy
 

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from conftest import VARIANTS
 from mergecore.dtypes import config_dtype
-from mergecore import compare_logits, compare_with_reference, merge_checkpoint, open_checkpoint
+from mergecore import compare_logits, compare_with_reference, merge_checkpoint, open_checkpoint, verify_manifest
 from mergecore.tensorio import HfWeights
 
 
@@ -72,6 +72,7 @@ def test_max_shard_size_splits_files_and_every_file_reads_back(demo, tmp_path):
             assert names and all(index["weight_map"][n] == file for n in names)
             assert (tmp_path / "out" / file).stat().st_size <= 200_000 + 8 + 4096
     assert set(manifest["files"]) >= set(files) | {"tokenizer.json", "config.json", "generation_config.json"}
+    assert verify_manifest(tmp_path / "out")["ok"]  # files hashed while later groups merged were complete
 
 
 def test_hf_files_are_copied_verbatim(demo, tmp_path):

@@ -58,9 +58,14 @@ def test_interrupted_promotion_resumes_and_reruns_are_free(prefect_server, hub, 
 
     write = TensorWriter.write
 
+    flaky = {"embed"}  # a transient I/O error, once: merge_group retries it
+
     def pull_the_disk_during_layers_1(self, planned, tensor):
         if planned.group == "layers.1":
             raise RuntimeError("injected fault")
+        if planned.group in flaky:
+            flaky.discard(planned.group)
+            raise OSError("injected transient I/O error")
         return write(self, planned, tensor)
 
     monkeypatch.setattr(TensorWriter, "write", pull_the_disk_during_layers_1)
@@ -72,7 +77,8 @@ def test_interrupted_promotion_resumes_and_reruns_are_free(prefect_server, hub, 
     resumed = promote(ckpt, target, **options)
     first, second = merge_group_states()[-2:]
     finished_before = {g for g, state in first.items() if state == "Completed"}
-    assert {"embed", "layers.0"} <= finished_before and first["layers.1"] == "Failed"
+    assert {"embed", "layers.0"} <= finished_before and first["layers.1"] == "Failed"  # embed: after a retry
+    assert not flaky
     assert {g for g, state in second.items() if state == "Cached"} == finished_before
     assert second["layers.1"] == "Completed"
     assert [c["check"] for c in resumed["checks"]] == ["round-trip", "reference", "logits"]
