@@ -1,12 +1,10 @@
-"""`ckptflow merge ARGS...` in this process, printing the seconds spent after the imports (work_seconds)."""
+"""`ckptflow merge ARGS...` as the console script runs it, printing the seconds spent after the imports
+(work_seconds). It imports what the CLI imports and no more: the FSDP path never imports torch."""
 
 import sys
 import time
 
-import torch  # noqa: F401  - imports are what every contender pays before working
-import torch.distributed.tensor  # noqa: F401
-
-import mergecore  # noqa: F401
+import mergecore.merge  # noqa: F401
 from flows.cli import app
 
 started = time.perf_counter()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from .dtypes import element_size
+from .arrays import element_size
 from .formats import open_checkpoint
 from .layout import group_of
 

@@ -13,8 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from .arrays import bitwise_equal
 from .dtypes import resolve_dtype
 from .errors import CheckpointError
 from .formats import CheckpointSource, open_checkpoint
@@ -22,7 +21,6 @@ from .formats.base import read_hf_config
 from .layout import EMBEDDING, OUTPUT, check_against_config, tied_embeddings
 from .plan import MergePlan, make_plan, parse_size
 from .storage import Location
-from .tensorio import bitwise_equal
 from .writer import TensorWriter, prepare_files
 
 
@@ -148,7 +146,7 @@ def merge_group(
         raise CheckpointError(f"group {group!r} is not in the plan (groups: {', '.join(plan.groups)})")
 
     def one(entry):
-        tensor = source.read(entry.name, getattr(torch, entry.dtype))
+        tensor = source.read(entry.name, entry.dtype)
         writer.write(entry, tensor)
         if on_tensor:
             on_tensor(entry.name)

@@ -12,8 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 
-import torch
-
+from .arrays import FLOATING
 from .formats import CheckpointSource
 from .plan import INDEX_FILE, MergePlan
 
@@ -40,7 +39,7 @@ def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
 def output_config(config: dict, plan: MergePlan) -> dict:
     """config.json as trained, declaring the dtype the weights were written in."""
     config = dict(config)
-    floating = [t.dtype for t in plan.tensors if getattr(torch, t.dtype).is_floating_point]
+    floating = [t.dtype for t in plan.tensors if t.dtype in FLOATING]
     written = plan.dtype or max(set(floating), key=floating.count, default=None)
     if written:
         for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:

@@ -11,9 +11,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 
-import torch
-
-from .dtypes import SAFETENSORS_NAME, element_size
+from .arrays import FLOATING, element_size, safetensors_dtype
 from .errors import CheckpointError
 from .formats.base import TensorInfo
 from .layout import EMBEDDING, OUTPUT, group_of
@@ -52,7 +50,7 @@ class MergePlan:
         """The safetensors header of `file`: 8-byte little-endian length + JSON, padded to 8 bytes."""
         entries = {"__metadata__": {"format": "pt"}}
         for t in self.in_file(file):
-            entries[t.name] = {"dtype": SAFETENSORS_NAME[getattr(torch, t.dtype)], "shape": list(t.shape),
+            entries[t.name] = {"dtype": safetensors_dtype(t.dtype), "shape": list(t.shape),
                                "data_offsets": [t.begin, t.end]}
         text = json.dumps(entries, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
@@ -90,7 +88,7 @@ def parse_size(text: str | int) -> int:
 def make_plan(
     source: str,
     tensors: dict[str, TensorInfo],
-    dtype: torch.dtype | None,
+    dtype: str | None,
     tied: bool,
     max_shard_size: int,
 ) -> MergePlan:
@@ -108,9 +106,7 @@ def make_plan(
     planned, groups, file_sizes = [], [], [0]
     for _, name in ordered:
         info = tensors[name]
-        source_dtype = getattr(torch, info.dtype)
-        out_dtype = dtype if dtype is not None and source_dtype.is_floating_point else source_dtype
-        out_name = str(out_dtype).removeprefix("torch.")
+        out_name = dtype if dtype is not None and info.dtype in FLOATING else info.dtype
         nbytes = info.numel * element_size(out_name)
         if file_sizes[-1] and file_sizes[-1] + nbytes > max_shard_size:
             file_sizes.append(0)
@@ -126,7 +122,7 @@ def make_plan(
     planned = [PlannedTensor(**{**asdict(t), "file": names[t.file]}) for t in planned]
     return MergePlan(
         source=source,
-        dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
+        dtype=dtype,
         groups=groups,
         tensors=planned,
         files=list(names.values()),

@@ -1,28 +1,61 @@
-"""Reading Hugging Face folders back, tensor by tensor, and comparing tensors bit for bit."""
+"""Reading Hugging Face folders back, tensor by tensor, as numpy arrays."""
 
 from __future__ import annotations
 
 import json
+import mmap
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
+import numpy as np
 
+from .arrays import bitwise_equal, from_safetensors_dtype, numpy_dtype, to_numpy
 from .errors import CheckpointError
 
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+__all__ = ["HfWeights", "SafetensorsFile", "bitwise_equal", "read_json"]
 
 
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal shapes, dtypes and bytes (NaN payloads and signed zeros included)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype.is_floating_point:
-        int_type = _SAME_SIZE_INT[a.element_size()]
-        return torch.equal(a.contiguous().view(int_type), b.contiguous().view(int_type))
-    return torch.equal(a, b)
+class SafetensorsFile:
+    """A .safetensors file mmapped: `get_tensor` returns a read-only numpy view, nothing is copied.
+
+    (safetensors' own numpy loader copies each tensor; verification reads every byte, so views pay.)
+
+    >>> with SafetensorsFile("model-00001-of-00002.safetensors") as f:   # doctest: +SKIP
+    ...     f.get_tensor("model.norm.weight").dtype
+    dtype(bfloat16)
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                self._raw = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            length = int.from_bytes(self._raw[:8], "little")
+            header = json.loads(self._raw[8:8 + length])
+        except (ValueError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{self.path}: not a safetensors file ({err}); merge again") from None
+        self._start = 8 + length
+        self._entries = {k: v for k, v in header.items() if k != "__metadata__"}
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        entry = self._entries[name]
+        dtype = numpy_dtype(from_safetensors_dtype(entry["dtype"]))
+        begin, end = entry["data_offsets"]
+        flat = np.frombuffer(self._raw, dtype, count=(end - begin) // dtype.itemsize, offset=self._start + begin)
+        return flat.reshape(entry["shape"])
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass  # views may outlive the with-block; the mapping closes when the last one goes
 
 
 class HfWeights:
@@ -41,11 +74,13 @@ class HfWeights:
     def __enter__(self) -> HfWeights:
         files = sorted(self.folder.glob("*.safetensors"))
         for file in files:
-            handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
+            handle = self._stack.enter_context(SafetensorsFile(file))
             for name in handle.keys():
                 self._where[name] = handle
         if not files:
             for file in sorted(self.folder.glob("pytorch_model*.bin")):
+                import torch
+
                 state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
                 self._where.update({name: state for name in state})
         if not self._where:
@@ -58,11 +93,11 @@ class HfWeights:
     def names(self) -> list[str]:
         return list(self._where)
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str) -> np.ndarray:
         holder = self._where[name]
-        return holder[name] if isinstance(holder, dict) else holder.get_tensor(name)
+        return to_numpy(holder[name]) if isinstance(holder, dict) else holder.get_tensor(name)
 
-    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def items(self) -> Iterator[tuple[str, np.ndarray]]:
         for name in self._where:
             yield name, self.get(name)
 

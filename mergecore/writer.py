@@ -10,8 +10,9 @@ import os
 import threading
 from pathlib import Path
 
-import torch
+import numpy as np
 
+from .arrays import dtype_of, to_numpy
 from .plan import MergePlan, PlannedTensor
 
 
@@ -37,10 +38,10 @@ def prepare_files(plan: MergePlan, folder: Path) -> list[str]:
     return created
 
 
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of a tensor, without a copy when it is contiguous."""
-    flat = tensor.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+def tensor_bytes(array) -> memoryview:
+    """The raw little-endian bytes of an array (or torch tensor), without a copy when it is contiguous."""
+    flat = np.ascontiguousarray(to_numpy(array)).reshape(-1)
+    return memoryview(flat.view(np.uint8)) if flat.size else memoryview(b"")
 
 
 class TensorWriter:
@@ -57,8 +58,8 @@ class TensorWriter:
         self._lock = threading.Lock()  # workers share one descriptor per file
         self._data_start = {file: len(plan.header(file)) for file in plan.files}
 
-    def write(self, planned: PlannedTensor, tensor: torch.Tensor) -> None:
-        if tuple(tensor.shape) != tuple(planned.shape) or str(tensor.dtype) != f"torch.{planned.dtype}":
+    def write(self, planned: PlannedTensor, tensor) -> None:
+        if tuple(tensor.shape) != tuple(planned.shape) or dtype_of(tensor) != planned.dtype:
             raise ValueError(f"{planned.name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {planned.shape} {planned.dtype}")
         data = tensor_bytes(tensor)
         if len(data) != planned.end - planned.begin:

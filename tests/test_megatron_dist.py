@@ -19,7 +19,7 @@ from mergecore import open_checkpoint, prepare, verify_round_trip
 from mergecore.formats.megatron_dist import MegatronDistCheckpoint
 from mergecore.megatron_dist_fixtures import OPTIMIZER_KEY, write_dist_checkpoint
 from mergecore.megatron_fixtures import MegatronFixture
-from mergecore.tensorio import HfWeights
+from weights import load_folder
 
 # name -> (arch, layout, stacked layer axis)
 CASES = {
@@ -151,7 +151,7 @@ def test_names_shapes_order_and_describe(dist):
 def test_reads_only_the_requested_layer_never_optimizer_state(dist, read_requests, tmp_path):
     ckpt = dist("qwen2")
     source = open_checkpoint(str(ckpt.role_dir))
-    k = source.read("model.layers.2.self_attn.k_proj.weight", torch.bfloat16)
+    k = source.read("model.layers.2.self_attn.k_proj.weight", "bfloat16")
     assert k.dtype == torch.bfloat16 and k.shape == (32, 64)
     assert read_requests == [("decoder.layers.self_attention.linear_qkv.weight", (2, 0, 0))]
     read_requests.clear()
@@ -184,10 +184,10 @@ def test_input_files_come_from_the_storage_index(dist):
 def test_bf16_output_is_the_cast_source(dist, tmp_path):
     ckpt = dist("qwen2")
     merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="bf16")
-    with HfWeights(tmp_path / "out") as ours, HfWeights(ckpt.reference_dir) as reference:
-        assert sorted(ours.names()) == sorted(reference.names())
-        for name in reference.names():
-            assert torch.equal(ours.get(name), reference.get(name).to(torch.bfloat16)), name
+    ours, reference = load_folder(tmp_path / "out"), load_folder(ckpt.reference_dir)
+    assert sorted(ours) == sorted(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(ours[name], tensor.to(torch.bfloat16)), name
 
 
 # ---- verification ----------------------------------------------------------------------------
@@ -196,15 +196,15 @@ def test_check_round_trip_catches_a_tampered_output(dist, tmp_path):
     ckpt = dist("qwen2")
     merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="keep")
     source = open_checkpoint(str(ckpt.role_dir))
-    with HfWeights(tmp_path / "out") as weights:
-        for name in ("model.layers.3.self_attn.v_proj.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight"):
-            tensor = weights.get(name)
-            assert source.check_round_trip(name, tensor) == 1
-            bad = tensor.clone()
-            bad[-1, -1] += 1
-            with pytest.raises(VerificationError, match=r"__0_0.distcp: .* differs from the merged") as excinfo:
-                source.check_round_trip(name, bad)
-            one_line_error(excinfo)
+    weights = load_folder(tmp_path / "out")
+    for name in ("model.layers.3.self_attn.v_proj.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight"):
+        tensor = weights[name]
+        assert source.check_round_trip(name, tensor) == 1
+        bad = tensor.clone()
+        bad[-1, -1] += 1
+        with pytest.raises(VerificationError, match=r"__0_0.distcp: .* differs from the merged") as excinfo:
+            source.check_round_trip(name, bad)
+        one_line_error(excinfo)
     # the whole output tampered on disk: verify_round_trip refuses it
     from safetensors.torch import load_file, save_file
 

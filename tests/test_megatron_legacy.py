@@ -15,7 +15,7 @@ from mergecore import CheckpointError, VerificationError, compare_logits, compar
 from mergecore import open_checkpoint, prepare, verify_round_trip
 from mergecore.formats.megatron_legacy import MegatronLegacyCheckpoint
 from mergecore.megatron_fixtures import ARCHS, MegatronFixture, write_megatron_checkpoint
-from mergecore.tensorio import HfWeights
+from weights import load_folder
 
 LAYOUTS = {"tp2": (2, 1, 1), "tp2-pp2": (2, 2, 1), "tp2-pp2-vpp2": (2, 2, 2)}
 
@@ -134,10 +134,10 @@ def test_bf16_output_is_the_cast_source(mcore, tmp_path):
     ckpt = mcore("qwen2", "tp2-pp2-vpp2")
     manifest = merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="bf16")
     assert manifest["dtype"] == "bfloat16"
-    with HfWeights(tmp_path / "out") as ours, HfWeights(ckpt.reference_dir) as reference:
-        assert sorted(ours.names()) == sorted(reference.names())
-        for name in reference.names():
-            assert torch.equal(ours.get(name), reference.get(name).to(torch.bfloat16)), name
+    ours, reference = load_folder(tmp_path / "out"), load_folder(ckpt.reference_dir)
+    assert sorted(ours) == sorted(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(ours[name], tensor.to(torch.bfloat16)), name
 
 
 def test_megatron_lm_files_and_grouped_experts(mcore, tmp_path):
@@ -251,7 +251,7 @@ def test_group_cache_keys_follow_the_pipeline_stage(mcore_copy, tmp_path):
 
 def test_read_touches_one_layer_and_casts(mcore):
     source = open_checkpoint(str(mcore("qwen2", "tp2").role_dir))
-    q = source.read("model.layers.1.self_attn.q_proj.bias", torch.bfloat16)
+    q = source.read("model.layers.1.self_attn.q_proj.bias", "bfloat16")
     assert q.dtype == torch.bfloat16 and q.shape == (64,)
     pieces = list(source.pieces("model.layers.1.self_attn.k_proj.weight"))
     assert [p.offsets for p in pieces] == [(0, 0), (16, 0)] and all(p.sizes == (16, 64) for p in pieces)
@@ -265,14 +265,13 @@ def test_check_round_trip_catches_a_tampered_piece(mcore_copy, tmp_path):
     ckpt = mcore_copy("qwen2", "tp2-pp2")
     merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="keep")
     source = open_checkpoint(str(ckpt.role_dir))
-    with HfWeights(tmp_path / "out") as weights:
-        k = weights.get("model.layers.3.self_attn.k_proj.weight")
-        assert source.check_round_trip("model.layers.3.self_attn.k_proj.weight", k) == 2
-        bad = k.clone()
-        bad[-1, -1] += 1
-        with pytest.raises(VerificationError, match=r"mp_rank_01_001/model.pt: decoder.layers.1.self_attention."
-                                                     r"linear_qkv.weight \(k part\)"):
-            source.check_round_trip("model.layers.3.self_attn.k_proj.weight", bad)
+    k = load_folder(tmp_path / "out")["model.layers.3.self_attn.k_proj.weight"]
+    assert source.check_round_trip("model.layers.3.self_attn.k_proj.weight", k) == 2
+    bad = k.clone()
+    bad[-1, -1] += 1
+    with pytest.raises(VerificationError, match=r"mp_rank_01_001/model.pt: decoder.layers.1.self_attention."
+                                                 r"linear_qkv.weight \(k part\)"):
+        source.check_round_trip("model.layers.3.self_attn.k_proj.weight", bad)
 
     # a saved piece changed after the merge: the output no longer round-trips to it
     def tamper(chunks):

@@ -11,21 +11,27 @@ import re
 from ..errors import CheckpointError
 from ..storage import Location
 from .base import CheckpointSource, Piece, TensorInfo
-from .fsdp import FsdpCheckpoint, has_rank_files
-from .megatron_legacy import MegatronLegacyCheckpoint, has_mp_rank_folders
-from .megatron_dist import MegatronDistCheckpoint, has_dist_ckpt
+from .detect import has_dist_ckpt, has_mp_rank_folders, has_rank_files
 
 __all__ = ["CheckpointSource", "Piece", "TensorInfo", "open_checkpoint", "find_role_folder"]
 
 STEP_FOLDER = re.compile(r"^global_step_(\d+)$")
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 
-# backend name -> (test on a folder's entry names and the folder, reader class).
+# backend name -> (test on a folder's entry names and the folder, reader class as "module:Class").
+# Readers are imported only when chosen: the Megatron ones need torch, the FSDP one does not.
 FORMATS = {
-    "fsdp": (lambda names, folder: has_rank_files(names), FsdpCheckpoint),
-    "megatron": (has_mp_rank_folders, MegatronLegacyCheckpoint),
-    "megatron_dist": (has_dist_ckpt, MegatronDistCheckpoint),
+    "fsdp": (has_rank_files, "fsdp:FsdpCheckpoint"),
+    "megatron": (has_mp_rank_folders, "megatron_legacy:MegatronLegacyCheckpoint"),
+    "megatron_dist": (has_dist_ckpt, "megatron_dist:MegatronDistCheckpoint"),
 }
+
+
+def reader_class(backend: str) -> type[CheckpointSource]:
+    import importlib
+
+    module, name = FORMATS[backend][1].split(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
 def _is_checkpoint(names: list[str], folder: Location) -> bool:
@@ -78,10 +84,11 @@ def open_checkpoint(
     for name, entry in candidates.items():
         if entry is None:
             raise CheckpointError(f"--backend {backend} is not supported; use one of: auto, {', '.join(FORMATS)}")
-        test, reader = entry
+        test = entry[0]
         if test(names, folder):
             options = {"custom_mapping": custom_mapping} if custom_mapping else {}
-            if options and reader is FsdpCheckpoint:
+            reader = reader_class(name)
+            if options and name == "fsdp":
                 raise CheckpointError(f"{folder}: --custom-mapping applies to Megatron checkpoints; FSDP keeps HF names")
             return reader(folder, Location.of(hf_dir) if hf_dir else None, step=step, **options)
     raise CheckpointError(f"{folder}: is not a {backend} checkpoint; try --backend auto")

@@ -10,8 +10,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-import torch
-
 from ..storage import Location
 
 
@@ -34,12 +32,13 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class Piece:
-    """One rank's slice of a global tensor: where it sits (offsets/sizes) and its values."""
+    """One rank's slice of a global tensor: where it sits (offsets/sizes) and its values
+    (a numpy array; readers that work in torch may give a torch tensor)."""
 
     source: str
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    tensor: torch.Tensor
+    tensor: object
     primary: bool = True  # False for replicas (HSDP): only checked, never needed to merge
 
     @property
@@ -74,19 +73,20 @@ class CheckpointSource(ABC):
     def input_files(self, names: Iterable[str] | None = None) -> list[Location]:
         """The files that hold `names` (all tensors when None); cache keys use their fingerprints."""
 
-    def check_round_trip(self, name: str, merged: torch.Tensor) -> int:
+    def check_round_trip(self, name: str, merged) -> int:
         """Re-split `merged` (the output tensor holding `name`) as training saved it and compare every
         saved piece bit for bit, cast to the output dtype. Returns the number of pieces compared.
 
         Formats whose pieces are not plain boxes of the global tensor (Megatron's fused QKV, say)
         override this with their inverse transforms.
         """
+        from ..arrays import bitwise_equal, cast, dtype_of, to_numpy
         from ..errors import VerificationError
-        from ..tensorio import bitwise_equal
 
+        merged = to_numpy(merged)
         count = 0
         for piece in self.pieces(name):
-            if not bitwise_equal(merged[piece.index], piece.tensor.to(merged.dtype)):
+            if not bitwise_equal(merged[piece.index], cast(piece.tensor, dtype_of(merged))):
                 raise VerificationError(
                     f"{piece.source}: tensor {name} at offsets {piece.offsets} differs from the merged output; "
                     "the merge is wrong: do not publish it (please report this)"
@@ -94,16 +94,21 @@ class CheckpointSource(ABC):
             count += 1
         return count
 
-    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The global tensor `name`, assembled from its primary pieces and cast to `dtype`.
+    def read(self, name: str, dtype: str | None = None):
+        """The global tensor `name` as a numpy array, assembled from its primary pieces and cast to
+        `dtype` (a name such as "bfloat16"; None keeps the saved dtype).
 
         Only this tensor's bytes are touched: pieces are views into mmapped files.
         """
+        import numpy as np
+
+        from ..arrays import numpy_dtype, to_numpy
+
         info = self.tensors()[name]
-        out = torch.empty(info.shape, dtype=dtype or getattr(torch, info.dtype))
+        out = np.empty(info.shape, dtype=numpy_dtype(dtype or info.dtype))
         for piece in self.pieces(name):
             if piece.primary:
-                out[piece.index].copy_(piece.tensor)
+                out[piece.index] = to_numpy(piece.tensor)
         return out
 
 

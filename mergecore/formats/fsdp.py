@@ -8,33 +8,26 @@ FSDP1 without a mesh -> ShardedTensor; a single GPU -> plain tensors.
 from __future__ import annotations
 
 import json
-import logging
-import re
 from collections.abc import Iterator
 from functools import cached_property
 
-import torch
+import numpy as np
 
+from ..arrays import bitwise_equal
 from ..errors import CheckpointError
 from ..storage import Location
 from .base import CheckpointSource, Piece, TensorInfo
-from .safe_unpickle import ShardedTensorRecord, load_untrusted
-
-RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
-
-# Unpickling a DeviceMesh without process groups logs a warning per tensor; it is expected here.
-logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
-
-
-def has_rank_files(names: list[str]) -> bool:
-    return any(RANK_FILE.match(n) for n in names)
+from .detect import FSDP_RANK_FILE as RANK_FILE
+from .torchfile import DTensorRecord, ShardedTensorRecord, load
 
 
 def load_rank_file(path: str, shown_as: str) -> dict:
-    """A rank's state dict with every tensor mmapped: nothing is read until it is used."""
-    import torch.distributed.tensor  # noqa: F401  (registers DTensor for weights_only loading)
-
-    return load_untrusted(path, shown_as)
+    """A rank's state dict, read without torch: DTensors and ShardedTensors become records whose
+    tensors are numpy views of the mmapped file, so nothing is read until it is used."""
+    state = load(path, shown_as)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{shown_as}: holds a {type(state).__name__}, not a state dict; is this a model_*.pt file?")
+    return state
 
 
 def chunk_span(length: int, parts: int, index: int) -> tuple[int, int]:
@@ -63,6 +56,23 @@ def dtensor_region(shape, mesh_shape, coordinate, placements) -> tuple[tuple[int
 
 def _placement_text(placements) -> str:
     return "(" + ", ".join(str(p) for p in placements) + ")"
+
+
+def _global_view(value) -> tuple[tuple[int, ...], str]:
+    """(global shape, dtype name) of a rank file entry."""
+    from ..arrays import dtype_of
+
+    if isinstance(value, (DTensorRecord, ShardedTensorRecord)):
+        return tuple(value.shape), str(value.dtype)
+    if isinstance(value, np.ndarray):
+        return tuple(value.shape), dtype_of(value)
+    return (), type(value).__name__
+
+
+def _layout_text(value) -> str:
+    if isinstance(value, DTensorRecord):
+        return f"DTensor{_placement_text(value.placements)} mesh {tuple(value.device_mesh.mesh.shape)}"
+    return "ShardedTensor(dim 0)" if isinstance(value, ShardedTensorRecord) else "plain"
 
 
 class FsdpCheckpoint(CheckpointSource):
@@ -128,16 +138,14 @@ class FsdpCheckpoint(CheckpointSource):
         return table
 
     def _pieces_of(self, name: str, value, rank: int, shown: str) -> list[Piece]:
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(value, DTensor):
+        if isinstance(value, DTensorRecord):
             mesh = value.device_mesh.mesh
-            where = (mesh == rank).nonzero()
+            where = np.argwhere(mesh == rank)
             if len(where) != 1:
                 raise CheckpointError(f"{shown}: tensor {name} has a device mesh {mesh.tolist()} without rank {rank}")
             coordinate = tuple(where[0].tolist())
             offsets, sizes = dtensor_region(value.shape, tuple(mesh.shape), coordinate, value.placements)
-            local = value.to_local()
+            local = value.local
             if tuple(local.shape) != sizes:
                 raise CheckpointError(
                     f"{shown}: tensor {name} holds a shard of shape {tuple(local.shape)} but {_placement_text(value.placements)} "
@@ -150,24 +158,16 @@ class FsdpCheckpoint(CheckpointSource):
                 Piece(shown, tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes), s.tensor)
                 for s in value.local_shards
             ]
-        if isinstance(value, torch.Tensor):
-            return [Piece(shown, (0,) * value.dim(), tuple(value.shape), value, primary=rank == 0)]
+        if isinstance(value, np.ndarray):
+            return [Piece(shown, (0,) * value.ndim, tuple(value.shape), value, primary=rank == 0)]
         raise CheckpointError(f"{shown}: entry {name} is a {type(value).__name__}, not a tensor")
 
     @cached_property
     def _infos(self) -> dict[str, TensorInfo]:
-        from torch.distributed.tensor import DTensor
-
         infos = {}
         for name, value in self._states[0].items():
-            if isinstance(value, DTensor):
-                shape, dtype = tuple(value.shape), value.dtype
-                layout = f"DTensor{_placement_text(value.placements)} mesh {tuple(value.device_mesh.mesh.shape)}"
-            elif isinstance(value, ShardedTensorRecord):
-                shape, dtype, layout = value.global_shape, value.dtype, "ShardedTensor(dim 0)"
-            else:
-                shape, dtype, layout = tuple(value.shape), value.dtype, "plain"
-            infos[name] = TensorInfo(name, shape, str(dtype).removeprefix("torch."), layout)
+            shape, dtype = _global_view(value)
+            infos[name] = TensorInfo(name, shape, dtype, _layout_text(value))
         return infos
 
     def tensors(self) -> dict[str, TensorInfo]:
@@ -201,28 +201,23 @@ class FsdpCheckpoint(CheckpointSource):
                 )
 
     def _check_same_global_view(self, name: str, info: TensorInfo) -> None:
-        from torch.distributed.tensor import DTensor
-
         for rank, state in enumerate(self._states):
             value = state[name]
-            if isinstance(value, ShardedTensorRecord):
-                shape, dtype = value.global_shape, value.dtype
-            else:
-                shape, dtype = tuple(value.shape), value.dtype
-            if shape != info.shape or str(dtype).removeprefix("torch.") != info.dtype:
+            shape, dtype = _global_view(value)
+            if shape != info.shape or dtype != info.dtype:
                 raise CheckpointError(
                     f"{self.rank_location(rank)}: tensor {name} is {tuple(shape)} {dtype} here but {info.shape} "
                     f"{info.dtype} on rank 0; rank files come from different saves: re-copy the checkpoint"
                 )
-            if isinstance(value, DTensor):
-                layout = f"DTensor{_placement_text(value.placements)} mesh {tuple(value.device_mesh.mesh.shape)}"
+            if isinstance(value, DTensorRecord):
+                layout = _layout_text(value)
                 if layout != info.layout:
                     raise CheckpointError(
                         f"{self.rank_location(rank)}: tensor {name} is {layout} here but {info.layout} on rank 0"
                     )
-                if value.device_mesh.mesh.numel() != self.world_size:
+                if value.device_mesh.mesh.size != self.world_size:
                     raise CheckpointError(
-                        f"{self.rank_location(rank)}: device mesh of {value.device_mesh.mesh.numel()} ranks in a "
+                        f"{self.rank_location(rank)}: device mesh of {value.device_mesh.mesh.size} ranks in a "
                         f"checkpoint of world size {self.world_size}; fix fsdp_config.json or the file names"
                     )
 
@@ -249,18 +244,16 @@ class FsdpCheckpoint(CheckpointSource):
     def _check_replicas(self, name: str) -> None:
         primary = {p.offsets: p for p in self._pieces[name] if p.primary}
         for piece in self._pieces[name]:
-            if not piece.primary and not torch.equal(piece.tensor, primary[piece.offsets].tensor):
+            if not piece.primary and not bitwise_equal(piece.tensor, primary[piece.offsets].tensor):
                 raise CheckpointError(
                     f"{piece.source}: tensor {name} differs from the same shard on another data-parallel replica; "
                     "the replicas diverged during training: pick the replica to trust and re-save"
                 )
 
     def describe(self) -> dict:
-        from torch.distributed.tensor import DTensor
-
         mesh_shape, mesh_names = [self.world_size], None
         first = next(iter(self._states[0].values()), None)
-        if isinstance(first, DTensor):
+        if isinstance(first, DTensorRecord):
             mesh_shape = list(first.device_mesh.mesh.shape)
             mesh_names = list(first.device_mesh.mesh_dim_names or [])
         return {

@@ -43,41 +43,17 @@ import torch
 from ..errors import CheckpointError, VerificationError
 from ..megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
 from ..storage import Location
-from ..tensorio import bitwise_equal
+from ..arrays import bitwise_equal, to_torch
 from ..transforms import Transform, VocabParallel, make_transform
 from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
+from .detect import DIST_METADATA_FILE, dist_ckpt_dir
 
-DIST_DIR = "dist_ckpt"
-METADATA_FILE = ".metadata"
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "encoder.", "mtp.")
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
 _PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # the expert axis of MoE weights in dist_ckpt: `mlp.experts.experts.linear_fc1.weight` (SequentialMLP and
 # TEGroupedMLP save under the same key); also accepted without the second `experts.`
 _EXPERTS = re.compile(r"^mlp\.experts\.(?:experts\.|local_experts\.)?(linear_fc[12]\.(?:weight|bias))$")
-
-
-def dist_ckpt_dir(folder: Location, names: list[str] | None = None) -> Location | None:
-    """The dist_ckpt folder of a role folder: `model/dist_ckpt` (verl 0.9.1) or `dist_ckpt` (older)."""
-    names = folder.listdir() if names is None else names
-    candidates = []
-    if "model" in names:
-        candidates.append(folder.join("model", DIST_DIR))
-    if DIST_DIR in names:
-        candidates.append(folder.join(DIST_DIR))
-    for candidate in candidates:
-        if candidate.join(METADATA_FILE).exists() or candidate.join("metadata.json").exists():
-            return candidate
-    return None
-
-
-def has_dist_ckpt(names: list[str], folder: Location | None = None) -> bool:
-    """A role folder holding a Megatron dist_ckpt (`model/dist_ckpt/` or `dist_ckpt/`)."""
-    if folder is None:
-        return DIST_DIR in names
-    if DIST_DIR not in names and "model" not in names:
-        return False
-    return dist_ckpt_dir(folder, names) is not None
 
 
 # ---- untrusted pickles -------------------------------------------------------------------------
@@ -259,7 +235,7 @@ class MegatronDistCheckpoint(CheckpointSource):
         self.step = step
         self.custom_mapping = custom_mapping
         self._check_backend()
-        self.metadata = load_dcp_metadata(dist.join(METADATA_FILE))
+        self.metadata = load_dcp_metadata(dist.join(DIST_METADATA_FILE))
 
     # ---- discovery -----------------------------------------------------------------------------
 
@@ -316,7 +292,7 @@ class MegatronDistCheckpoint(CheckpointSource):
                 lead = (1 if stacked else 0) + (1 if expert else 0)
                 if len(shape) <= lead:
                     raise CheckpointError(
-                        f"{self.dist_dir.join(METADATA_FILE)}: {key} has shape {shape}, too few dimensions for its "
+                        f"{self.dist_dir.join(DIST_METADATA_FILE)}: {key} has shape {shape}, too few dimensions for its "
                         f"{'layer and expert' if lead == 2 else 'layer' if stacked else 'expert'} axes"
                     )
                 ranges = [range(shape[d]) for d in range(lead)]
@@ -357,7 +333,7 @@ class MegatronDistCheckpoint(CheckpointSource):
 
     @cached_property
     def _entries(self) -> dict[str, Entry]:
-        shown = str(self.dist_dir.join(METADATA_FILE))
+        shown = str(self.dist_dir.join(DIST_METADATA_FILE))
         found: list[tuple[tuple, Entry]] = []
         seen: dict[str, Slice] = {}
         for s in self._slices:
@@ -429,7 +405,7 @@ class MegatronDistCheckpoint(CheckpointSource):
                 path = paths.get((key, offsets))
                 if path is None:
                     raise CheckpointError(
-                        f"{self.dist_dir.join(METADATA_FILE)}: {key} chunk at {offsets} has no storage entry; the "
+                        f"{self.dist_dir.join(DIST_METADATA_FILE)}: {key} chunk at {offsets} has no storage entry; the "
                         f"metadata is damaged ({MetadataIndex.__name__} missing)"
                     )
                 out.setdefault(key, []).append((offsets, tuple(int(x) for x in chunk.sizes), path))
@@ -452,7 +428,7 @@ class MegatronDistCheckpoint(CheckpointSource):
             try:
                 shape = entry.transform.global_shape(s.shape, 1, entry.part)
             except (ValueError, RuntimeError) as err:
-                raise CheckpointError(f"{self.dist_dir.join(METADATA_FILE)}: {s.key}: {err}") from None
+                raise CheckpointError(f"{self.dist_dir.join(DIST_METADATA_FILE)}: {s.key}: {err}") from None
             where = s.key + (f"[{', '.join(map(str, s.index))}]" if s.index else "")
             layout = f"{entry.transform!r} (dist_ckpt global tensor): {where}"
             infos[name] = TensorInfo(name, tuple(shape), str(s.dtype).removeprefix("torch."), layout)
@@ -461,14 +437,15 @@ class MegatronDistCheckpoint(CheckpointSource):
     def tensors(self) -> dict[str, TensorInfo]:
         return self._infos
 
-    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def read(self, name: str, dtype: str | None = None) -> torch.Tensor:
         entry = self._entries[name]
         value = entry.transform.combine([entry.transform.extract(self.read_slice(entry.slice), entry.part)], entry.part)
-        return (value.to(dtype) if dtype is not None else value).contiguous()
+        return (value.to(getattr(torch, dtype)) if dtype is not None else value).contiguous()
 
-    def check_round_trip(self, name: str, merged: torch.Tensor) -> int:
+    def check_round_trip(self, name: str, merged) -> int:
         """Apply the inverse transform (TP=1) to `merged` and compare with the saved slice of the global
         Megatron tensor (its `part` rows, vocabulary padding excluded), bit for bit in `merged.dtype`."""
+        merged = to_torch(merged)
         entry = self._entries[name]
         transform = entry.transform
         expected = transform.trim(transform.scatter(merged, 1, entry.part)[0], 0, 1)
@@ -505,7 +482,7 @@ class MegatronDistCheckpoint(CheckpointSource):
         from .megatron_legacy import MegatronLegacyCheckpoint
 
         config = self.config
-        shown = self.dist_dir.join(METADATA_FILE)
+        shown = self.dist_dir.join(DIST_METADATA_FILE)
         where = self.hf_dir.join("config.json")
         if not self._tensor_keys:
             raise CheckpointError(f"{shown}: holds no model tensors (embedding.*, decoder.*, output_layer.*); it is not a "

@@ -25,22 +25,13 @@ import torch
 from ..errors import CheckpointError, VerificationError
 from ..megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
 from ..storage import Location
-from ..tensorio import bitwise_equal
+from ..arrays import bitwise_equal, to_torch
 from ..transforms import Replicated, ReplicatedGatedMLP, Transform, VocabParallel, make_transform
 from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
+from .detect import MP_RANK_DIR
 from .safe_unpickle import Record, RestrictedUnpickler, load_untrusted
 
-RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 MODEL_FILE = "model.pt"
-
-
-def has_mp_rank_folders(names: list[str], folder: Location | None = None) -> bool:
-    """A role folder holding `model/mp_rank_*` folders (only `model/` is checked without `folder`)."""
-    if "model" not in names:
-        return False
-    if folder is None:
-        return True
-    return any(RANK_DIR.match(n) for n in folder.join("model").listdir())
 
 
 # ---- loading -----------------------------------------------------------------------------------
@@ -158,7 +149,7 @@ class MegatronLegacyCheckpoint(CheckpointSource):
         found: dict[tuple[int, int], str] = {}
         with_pp = set()
         for name in self.model_dir.listdir():
-            match = RANK_DIR.match(name)
+            match = MP_RANK_DIR.match(name)
             if not match:
                 continue
             if match[3] is not None:
@@ -359,17 +350,18 @@ class MegatronLegacyCheckpoint(CheckpointSource):
     def tensors(self) -> dict[str, TensorInfo]:
         return self._infos
 
-    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def read(self, name: str, dtype: str | None = None) -> torch.Tensor:
         entry = self._entries[name]
         ranks = [0] if entry.transform.replicated else range(self.tp)
         slices = [entry.transform.extract(self._piece(t, entry), entry.part) for t in ranks]
         merged = entry.transform.combine(slices, entry.part)
-        return (merged.to(dtype) if dtype is not None else merged).contiguous()
+        return (merged.to(getattr(torch, dtype)) if dtype is not None else merged).contiguous()
 
-    def check_round_trip(self, name: str, merged: torch.Tensor) -> int:
+    def check_round_trip(self, name: str, merged) -> int:
         """Split `merged` with the inverse transform and compare each TP rank's saved piece (its `part`
         rows, vocabulary padding excluded) bit for bit, cast to `merged.dtype`. Over q, k and v (gate
         and up) every saved element of a fused tensor is compared once."""
+        merged = to_torch(merged)
         entry = self._entries[name]
         transform = entry.transform
         expected = transform.scatter(merged, self.tp, entry.part)
@@ -467,7 +459,7 @@ class MegatronLegacyCheckpoint(CheckpointSource):
             full = transform.num_kv_heads * transform.group_rows
             if rows and full % rows == 0 and full // rows != self.tp:
                 implied = full // rows
-                suffix = f"_{entry.pp:03d}" if RANK_DIR.match(self._rank_dirs[(0, entry.pp)])[2] else ""
+                suffix = f"_{entry.pp:03d}" if MP_RANK_DIR.match(self._rank_dirs[(0, entry.pp)])[2] else ""
                 if implied > self.tp:
                     raise CheckpointError(
                         f"{self.model_dir.join(f'mp_rank_{self.tp:02d}{suffix}')}: missing ({entry.key} has {rows} rows "

@@ -1,0 +1,103 @@
+"""Arrays as the merge sees them: numpy arrays, dtypes named the torch way ("bfloat16").
+
+The FSDP path never imports torch (its import alone costs ~2 s per process); bfloat16 comes
+from ml_dtypes. Readers that work in torch (Megatron's transforms) hand over torch tensors,
+which `to_numpy` turns into views without copying.
+
+>>> to_numpy(np.ones(2, np.float32)).astype(numpy_dtype("bfloat16")).dtype.name
+'bfloat16'
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+# dtype name (torch spelling) -> (numpy dtype, safetensors name)
+_DTYPES = {
+    "float64": (np.dtype(np.float64), "F64"),
+    "float32": (np.dtype(np.float32), "F32"),
+    "float16": (np.dtype(np.float16), "F16"),
+    "bfloat16": (np.dtype(ml_dtypes.bfloat16), "BF16"),
+    "int64": (np.dtype(np.int64), "I64"),
+    "int32": (np.dtype(np.int32), "I32"),
+    "int16": (np.dtype(np.int16), "I16"),
+    "int8": (np.dtype(np.int8), "I8"),
+    "uint8": (np.dtype(np.uint8), "U8"),
+    "bool": (np.dtype(np.bool_), "BOOL"),
+}
+FLOATING = {"float64", "float32", "float16", "bfloat16"}
+_BY_NUMPY = {dtype: name for name, (dtype, _) in _DTYPES.items()}
+_BY_SAFETENSORS = {st: name for name, (_, st) in _DTYPES.items()}
+_SAME_SIZE_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """`"bfloat16"` -> the numpy dtype that holds it."""
+    try:
+        return _DTYPES[name][0]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} is not supported (supported: {', '.join(_DTYPES)})") from None
+
+
+def safetensors_dtype(name: str) -> str:
+    """`"bfloat16"` -> `"BF16"`, the spelling of safetensors headers."""
+    numpy_dtype(name)  # unknown names raise
+    return _DTYPES[name][1]
+
+
+def from_safetensors_dtype(code: str) -> str:
+    return _BY_SAFETENSORS[code]
+
+
+def element_size(name: str) -> int:
+    """Bytes per element: `element_size("bfloat16") == 2`."""
+    return numpy_dtype(name).itemsize
+
+
+def dtype_of(array) -> str:
+    """The torch-style dtype name of a numpy array or torch tensor."""
+    if isinstance(array, np.ndarray):
+        return _BY_NUMPY[array.dtype]
+    return str(array.dtype).removeprefix("torch.")
+
+
+def to_numpy(array) -> np.ndarray:
+    """A numpy view of a numpy array or a CPU torch tensor (bfloat16 included), without copying."""
+    if isinstance(array, np.ndarray):
+        return array
+    import torch
+
+    tensor = array.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def to_torch(array):
+    """A torch tensor sharing memory with a numpy array (read-only arrays are copied)."""
+    import torch
+
+    if not isinstance(array, np.ndarray):
+        return array
+    if not array.flags.writeable:
+        array = array.copy()
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def cast(array, name: str) -> np.ndarray:
+    """`array` in dtype `name` (round to nearest even, like torch); no copy when it already is."""
+    return to_numpy(array).astype(numpy_dtype(name), copy=False)
+
+
+def bitwise_equal(a, b) -> bool:
+    """Equal shapes, dtypes and bytes (NaN payloads and signed zeros included)."""
+    a, b = to_numpy(a), to_numpy(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.kind in "fcV" or a.dtype == ml_dtypes.bfloat16:
+        bits = _SAME_SIZE_UINT[a.dtype.itemsize]
+        return bool(np.array_equal(a.view(bits), b.view(bits)))
+    return bool(np.array_equal(a, b))

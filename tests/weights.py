@@ -1,0 +1,16 @@
+"""Tests read merged folders with safetensors' own torch loader, independent of mergecore's reader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+
+def load_folder(folder: str | Path) -> dict:
+    """Every tensor of a Hugging Face folder's *.safetensors files, as torch tensors."""
+    state = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        state.update(load_file(file))
+    assert state, f"{folder}: no safetensors files"
+    return state
