@@ -110,3 +110,20 @@ def test_custom_mapping_is_for_megatron_only(cli, demo, tmp_path):
     result = cli("merge", "--local_dir", demo("fsdp2-w2").role_dir, "--target_dir", tmp_path / "out",
                  "--custom-mapping", tmp_path / "map.json")
     assert result.exit_code == 2 and "--custom-mapping applies to Megatron" in result.stderr
+
+
+def test_fsdp_merge_and_verify_never_import_torch(demo, tmp_path):
+    """torch's import costs ~2 s per process; the FSDP path reads rank files and casts without it."""
+    ckpt = demo("hsdp-2x2")
+    script = (
+        "import sys\n"
+        "from flows.cli import app\n"
+        f"app(['merge', '--local_dir', {str(ckpt.role_dir)!r}, '--target_dir', {str(tmp_path / 'out')!r}],"
+        " prog_name='ckptflow', standalone_mode=False)\n"
+        f"app(['verify', {str(tmp_path / 'out')!r}], prog_name='ckptflow', standalone_mode=False)\n"
+        "print('torch imported:', sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "round-trip ok" in done.stdout
+    assert "torch imported: []" in done.stdout
