@@ -6,6 +6,7 @@ discover_shards -> validate_metadata -> plan_groups -> prepare_staging -> merge_
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from prefect import flow
@@ -24,6 +25,9 @@ from tasks.sources import CheckpointRef
 from .reports import equivalence_rows, merge_report
 
 
+PROGRESS_EVERY_S = 0.5
+
+
 @flow(name="merge-checkpoint", task_runner=ThreadPoolTaskRunner(max_workers=2))
 def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False) -> dict:
     """Checkpoint -> verified Hugging Face folder at `target`; groups are cached across runs."""
@@ -40,11 +44,13 @@ def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False) -
     futures = {merge.with_options(refresh_cache=group in rewritten).submit(ref, plan, group, staged["staging"]): group
                for group in plan.groups}
     progress = create_progress_artifact(0.0, description=f"groups merged into {target}")
-    states = {}
+    states, shown = {}, time.monotonic()
     for done, future in enumerate(as_completed(list(futures)), start=1):
         future.wait()
         states[futures[future]] = future.state
-        update_progress_artifact(progress, 100.0 * done / len(futures))
+        if done == len(futures) or time.monotonic() - shown > PROGRESS_EVERY_S:  # each update is an API call
+            update_progress_artifact(progress, 100.0 * done / len(futures))
+            shown = time.monotonic()
     receipts = [states[g].result() for g in plan.groups]  # raises the first failure, after all groups ran
 
     manifest = finalize_model(ref, staged["staging"], target, overwrite, receipts)
