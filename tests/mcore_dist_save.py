@@ -1,48 +1,112 @@
-"""Save a tiny megatron-core GPTModel as a dist_ckpt (torch_dist), TP=1, one gloo process, CPU only.
+"""Save tiny megatron-core GPTModels as dist_ckpt (torch_dist) folders on CPU with gloo.
 
-Run as a script (megatron-core's async writer spawns processes: needs the __main__ guard):
-`python mcore_dist_save.py OUT_DIR PORT [dense|moe]` (moe: a Qwen2-MoE-like model, SequentialMLP experts,
-gated shared expert, QKV bias). Writes OUT_DIR/dist_ckpt, OUT_DIR/params.pt (the model's own
-state dict, the ground truth), OUT_DIR/logits.pt (Megatron's own forward on a fixed prompt, when it runs on
-CPU) and OUT_DIR/huggingface/config.json (the matching Hugging Face config).
+Run as a script (megatron-core's writers spawn processes: needs the __main__ guard):
+
+    python mcore_dist_save.py save OUT_DIR PORT [dense|moe]
+        TP=1, one process. Writes OUT_DIR/dist_ckpt, OUT_DIR/params.pt (the model's own state dict, the
+        ground truth), OUT_DIR/logits.pt (Megatron's own forward on a fixed prompt, dense only: the MoE
+        spec's kernels do not run on CPU) and OUT_DIR/huggingface/config.json.
+    python mcore_dist_save.py reshard SOURCE_DIR OUT_DIR PORT TP PP VPP
+        TP*PP gloo processes build the same model split TP/PP/VPP ways, load SOURCE_DIR/dist_ckpt through
+        megatron-core's own resharding load and save it again: a dist_ckpt as that parallel layout writes
+        it. Without PP, rank 0 also writes OUT_DIR/logits.pt from the TP-parallel forward.
+
 Fixture-only patch (shared/FACTS.md): CPU-only torch needs torch.cuda.synchronize / current_device stubs.
 """
 
 import json
 import os
+import shutil
 import sys
 import warnings
 
+LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, PADDED_VOCAB = 4, 64, 4, 2, 128, 300, 384
+TOKENS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
 
-def main(out: str, port: str, kind: str = "dense") -> None:
+
+def _start(rank: int, world: int, port: str, tp: int = 1, pp: int = 1, vpp: int = 1):
     import torch
 
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
     warnings.filterwarnings("ignore")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = port
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     import torch.distributed as dist
-    import torch.nn.functional as F
 
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import dist_checkpointing, parallel_state
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+
+
+def _models(kind: str, tp: int = 1, pp: int = 1, vpp: int = 1) -> list:
+    """This rank's model chunks (one per virtual stage)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    parallel_state.initialize_model_parallel(1, 1)
     moe = {}
     if kind == "moe":
         moe = dict(add_qkv_bias=True, num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
                    moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True)
+    else:
+        moe = dict(add_qkv_bias=True)  # Qwen2-like: GQA with qkv bias and SwiGLU
     config = TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS, ffn_hidden_size=FFN,
         gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
-        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32, **moe)
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, **moe)
     spec = get_gpt_layer_local_spec(num_experts=moe.get("num_moe_experts"), normalization="RMSNorm")
-    model = GPTModel(config, spec, vocab_size=384, max_sequence_length=128, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False)
+    chunks = []
+    for v in range(vpp):
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v)
+        chunks.append(GPTModel(config, spec, vocab_size=PADDED_VOCAB, max_sequence_length=128, pre_process=first,
+                               post_process=last, position_embedding_type="rope",
+                               share_embeddings_and_output_weights=False, vp_stage=v if vpp > 1 else None))
+    return chunks
+
+
+def _forward(model, out: str) -> None:
+    """Megatron's own logits for TOKENS (eval: no dropout, so no CUDA RNG is needed)."""
+    import contextlib
+
+    import torch
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    model.eval()
+    tokens = torch.tensor(TOKENS)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    causal = torch.triu(torch.ones(8, 8), diagonal=1).bool()[None, None]  # True = masked (Megatron)
+    with torch.no_grad():
+        logits = gather_from_tensor_model_parallel_region(model(tokens, positions, attention_mask=causal))
+    if torch.distributed.get_rank() == 0:
+        torch.save({"tokens": tokens, "logits": logits[..., :VOCAB].contiguous()}, os.path.join(out, "logits.pt"))
+
+
+def _hf_config(kind: str) -> dict:
+    hf = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": HIDDEN, "intermediate_size": FFN,
+          "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": GROUPS, "vocab_size": VOCAB,
+          "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu"}
+    if kind == "moe":
+        hf.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])
+    return hf
+
+
+def save(out: str, port: str, kind: str = "dense") -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    _start(0, 1, port)
+    (model,) = _models(kind)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in model.parameters():
@@ -51,32 +115,40 @@ def main(out: str, port: str, kind: str = "dense") -> None:
     dist_checkpointing.save({"model": model.sharded_state_dict()}, os.path.join(out, "dist_ckpt"))
     params = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
     torch.save(params, os.path.join(out, "params.pt"))
-    try:  # Megatron's own logits for a fixed prompt (None if its forward does not run on this CPU build)
-        import contextlib
-
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-        get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # CPU: no CUDA RNG (eval: no dropout)
-        model.eval()
-        tokens = torch.arange(1, 17).reshape(2, 8)
-        positions = torch.arange(8).expand(2, 8)
-        with torch.no_grad():
-            causal = torch.triu(torch.ones(8, 8), diagonal=1).bool()[None, None]  # True = masked (Megatron)
-            logits = model(tokens, positions, attention_mask=causal)
-        torch.save({"tokens": tokens, "logits": logits[..., :300].contiguous()}, os.path.join(out, "logits.pt"))
-    except Exception as err:  # noqa: BLE001
-        print(f"no megatron forward: {err}", file=sys.stderr)
+    if kind == "dense":
+        _forward(model, out)
     os.makedirs(os.path.join(out, "huggingface"), exist_ok=True)
-    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
-          "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu"}
-    if kind == "moe":
-        hf.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
-                  moe_intermediate_size=32, shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])
     with open(os.path.join(out, "huggingface", "config.json"), "w") as f:
-        json.dump(hf, f)
+        json.dump(_hf_config(kind), f)
     dist.destroy_process_group()
 
 
+def _reshard_rank(rank: int, source: str, out: str, port: str, tp: int, pp: int, vpp: int) -> None:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    _start(rank, tp * pp, port, tp, pp, vpp)
+    chunks = _models("dense", tp, pp, vpp)
+    keyed = {f"model{v}" if vpp > 1 else "model": chunk for v, chunk in enumerate(chunks)}
+    loaded = dist_checkpointing.load({k: c.sharded_state_dict() for k, c in keyed.items()},
+                                     os.path.join(source, "dist_ckpt"))
+    for key, chunk in keyed.items():
+        chunk.load_state_dict(loaded[key], strict=False)  # _extra_state entries are not in the source
+    dist.barrier()
+    dist_checkpointing.save({k: c.sharded_state_dict() for k, c in keyed.items()}, os.path.join(out, "dist_ckpt"))
+    if pp == 1:
+        _forward(chunks[0], out)
+    dist.destroy_process_group()
+
+
+def reshard(source: str, out: str, port: str, tp: str, pp: str, vpp: str) -> None:
+    import torch.multiprocessing as mp
+
+    tp, pp, vpp = int(tp), int(pp), int(vpp)
+    os.makedirs(os.path.join(out, "dist_ckpt"), exist_ok=True)
+    shutil.copytree(os.path.join(source, "huggingface"), os.path.join(out, "huggingface"), dirs_exist_ok=True)
+    mp.spawn(_reshard_rank, args=(source, out, port, tp, pp, vpp), nprocs=tp * pp, join=True)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    {"save": save, "reshard": reshard}[sys.argv[1]](*sys.argv[2:])

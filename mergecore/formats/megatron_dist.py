@@ -38,6 +38,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointError, VerificationError
@@ -46,6 +47,7 @@ from ..storage import Location
 from ..arrays import bitwise_equal, to_torch
 from ..transforms import Transform, VocabParallel, make_transform
 from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
+from . import torchfile
 from .detect import DIST_METADATA_FILE, dist_ckpt_dir
 
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "encoder.", "mtp.")
@@ -228,6 +230,7 @@ class MegatronDistCheckpoint(CheckpointSource):
             )
         self.dist_dir = dist
         self.model_dir = dist  # for messages shared with the legacy reader's checks
+        self._chunks: dict[tuple[str, int], np.ndarray] = {}  # (file, byte offset) -> mapped chunk
         if hf_dir is None:
             candidates = [dist.parent.join("huggingface"), location.join("huggingface"), location.join("model", "huggingface")]
             hf_dir = next((c for c in candidates if c.join("config.json").exists()), candidates[0])
@@ -364,7 +367,57 @@ class MegatronDistCheckpoint(CheckpointSource):
         return _reader_class(local)(path, self.metadata)
 
     def read_slice(self, s: Slice) -> torch.Tensor:
-        """`key[index]` from the .distcp files: only the chunks overlapping that box are read."""
+        """`key[index]` from the .distcp files: only the bytes of that box are read.
+
+        DCP stores each chunk as a torch.save archive (or raw bytes) at a byte range of a .distcp file;
+        torch's own reader loads whole chunks, which for a stacked `[L, ...]` key means every layer for
+        each layer. We map the chunk (torchfile: numpy views of the mmapped file) and copy out the box.
+        """
+        from ..arrays import numpy_dtype, to_torch
+
+        full = tuple(int(x) for x in self.metadata.state_dict_metadata[s.key].size)
+        lead = len(s.index)
+        box_offsets = (*s.index, *([0] * (len(full) - lead)))
+        box_sizes = (*([1] * lead), *full[lead:])
+        dest = np.empty(box_sizes, dtype=numpy_dtype(str(s.dtype).removeprefix("torch.")))
+        for chunk_offsets, chunk_sizes, info in self._chunk_files.get(s.key, []):
+            low = [max(b, c) for b, c in zip(box_offsets, chunk_offsets)]
+            high = [min(b + n, c + m) for b, n, c, m in zip(box_offsets, box_sizes, chunk_offsets, chunk_sizes)]
+            if any(lo >= hi for lo, hi in zip(low, high)):
+                continue
+            if info.transform_descriptors:  # a DCP storage extension (compression...): torch decodes it
+                return self._read_slice_with_dcp(s)
+            chunk = self._chunk_array(info, chunk_sizes, dest.dtype)
+            dest[tuple(slice(lo - b, hi - b) for lo, hi, b in zip(low, high, box_offsets))] = \
+                chunk[tuple(slice(lo - c, hi - c) for lo, hi, c in zip(low, high, chunk_offsets))]
+        return to_torch(dest).reshape(s.shape)
+
+    def _chunk_array(self, info, sizes: tuple[int, ...], dtype) -> np.ndarray:
+        """One stored chunk as a read-only numpy view of its mmapped .distcp file."""
+        key = (info.relative_path, info.offset)
+        if key not in self._chunks:
+            location = self.dist_dir.join(info.relative_path)
+            shown = f"{location} (bytes {info.offset}+{info.length})"
+            try:
+                path = location.local_file()
+                with open(path, "rb") as f:
+                    f.seek(info.offset)
+                    magic = f.read(4)
+                if magic == b"PK\x03\x04":  # a torch.save archive: the default DCP serialization
+                    array = torchfile.load(path, shown, info.offset, info.length)
+                else:  # raw little-endian bytes
+                    array = np.memmap(path, dtype=dtype, mode="r", offset=info.offset, shape=sizes)
+            except (OSError, ValueError) as err:
+                raise CheckpointError(f"{shown}: cannot be read ({err}); the file is missing or truncated: copy the "
+                                      "whole dist_ckpt folder again") from None
+            if not isinstance(array, np.ndarray) or tuple(array.shape) != tuple(sizes):
+                raise CheckpointError(f"{shown}: holds {getattr(array, 'shape', type(array).__name__)}, not the "
+                                      f"{tuple(sizes)} chunk .metadata describes; the folder mixes two saves")
+            self._chunks[key] = array
+        return self._chunks[key]
+
+    def _read_slice_with_dcp(self, s: Slice) -> torch.Tensor:
+        """`key[index]` through torch's DCP reader (whole chunks are loaded, then narrowed)."""
         full = tuple(int(x) for x in self.metadata.state_dict_metadata[s.key].size)
         lead = len(s.index)
         offsets = (*s.index, *([0] * (len(full) - lead)))
@@ -373,7 +426,7 @@ class MegatronDistCheckpoint(CheckpointSource):
         planner = _box_planner(s.key, offsets, sizes, dest)
         try:
             # torch's load protocol, one process, no collectives: the planner asks for the box, the reader reads
-            # only the chunks overlapping it (torch.load(weights_only=True) on each chunk's byte range)
+            # the chunks overlapping it
             reader = self._reader()
             reader.set_up_storage_reader(self.metadata, True)
             planner.set_up_planner({}, self.metadata, True)
@@ -392,30 +445,29 @@ class MegatronDistCheckpoint(CheckpointSource):
         return dest.reshape(s.shape)
 
     @cached_property
-    def _chunk_files(self) -> dict[str, list[tuple[tuple, tuple, str]]]:
-        """key -> [(chunk offsets, chunk sizes, relative path of the file holding it)]."""
+    def _chunk_files(self) -> dict[str, list[tuple[tuple, tuple, object]]]:
+        """key -> [(chunk offsets, chunk sizes, its storage info: relative path, byte offset and length)]."""
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
-        paths = {(index.fqn, tuple(index.offset or ())): info.relative_path
-                 for index, info in self.metadata.storage_data.items()}
+        paths = {(index.fqn, tuple(index.offset or ())): info for index, info in self.metadata.storage_data.items()}
         out: dict[str, list] = {}
         for key, md in self._tensor_keys.items():
             for chunk in md.chunks:
                 offsets = tuple(int(o) for o in chunk.offsets)
-                path = paths.get((key, offsets))
-                if path is None:
+                info = paths.get((key, offsets))
+                if info is None:
                     raise CheckpointError(
                         f"{self.dist_dir.join(DIST_METADATA_FILE)}: {key} chunk at {offsets} has no storage entry; the "
                         f"metadata is damaged ({MetadataIndex.__name__} missing)"
                     )
-                out.setdefault(key, []).append((offsets, tuple(int(x) for x in chunk.sizes), path))
+                out.setdefault(key, []).append((offsets, tuple(int(x) for x in chunk.sizes), info))
         return out
 
     def _files_for(self, s: Slice) -> list[Location]:
         files = []
-        for offsets, sizes, path in self._chunk_files.get(s.key, []):
+        for offsets, sizes, info in self._chunk_files.get(s.key, []):
             if all(o <= i < o + n for i, o, n in zip(s.index, offsets, sizes)):
-                files.append(self.dist_dir.join(path))
+                files.append(self.dist_dir.join(info.relative_path))
         return files
 
     # ---- the seam ------------------------------------------------------------------------------
@@ -523,8 +575,8 @@ class MegatronDistCheckpoint(CheckpointSource):
         MegatronLegacyCheckpoint._check_layers(self, config)
         MegatronLegacyCheckpoint._check_moe(self, config)
         self._chunk_files  # noqa: B018 - every model chunk has a storage entry
-        missing = sorted({path for chunks in self._chunk_files.values() for _, _, path in chunks
-                          if not self.dist_dir.join(path).exists()})
+        missing = sorted({info.relative_path for chunks in self._chunk_files.values() for _, _, info in chunks
+                          if not self.dist_dir.join(info.relative_path).exists()})
         if missing:
             raise CheckpointError(
                 f"{self.dist_dir.join(missing[0])}: missing ({len(missing)} data files missing); the save was "
@@ -547,7 +599,7 @@ class MegatronDistCheckpoint(CheckpointSource):
     def describe(self) -> dict:
         layered = {s.index[0] if _STACKED.match(s.key) else int(_PER_LAYER.match(s.key)[1])
                    for s in self._slices if s.key.startswith("decoder.layers.")}
-        files = sorted({path for chunks in self._chunk_files.values() for _, _, path in chunks})
+        files = sorted({info.relative_path for chunks in self._chunk_files.values() for _, _, info in chunks})
         iteration = self.common.get("iteration")
         return {
             "format": self.format_name,

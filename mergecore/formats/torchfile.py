@@ -16,6 +16,7 @@ different torch versions read alike (their DeviceMesh internals differ: see `Mes
 from __future__ import annotations
 
 import collections
+import io
 import itertools
 import mmap
 import pickle
@@ -284,21 +285,52 @@ def _member_offset(raw: mmap.mmap, info: zipfile.ZipInfo) -> int:
     return info.header_offset + 30 + name_length + extra_length
 
 
-def load(path: str, shown_as: str):
+class _Window(io.RawIOBase):
+    """The first `end` bytes of a mapped file as a seekable stream, without copying them."""
+
+    def __init__(self, raw, end: int):
+        self._raw, self._end, self._pos = raw, end, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = max(0, min(self._end, (0, self._pos, self._end)[whence] + pos))
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self._end - self._pos)
+        buffer[:n] = self._raw[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
+def load(path: str, shown_as: str, offset: int = 0, length: int | None = None):
     """The object a `torch.save` file holds, with tensors as read-only numpy views (mmap: nothing is read yet).
 
+    `offset`/`length` select a torch.save archive stored inside a larger file (a DCP `.distcp` item).
     Bad files raise a one-line CheckpointError naming `shown_as`.
     """
     try:
         with open(path, "rb") as f:
             raw = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if f.seek(0, 2) else b""
-            archive = zipfile.ZipFile(f)
-            members = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
-            if "data.pkl" not in members:
-                raise ValueError("no data.pkl: not a torch.save zip archive")
-            if "byteorder" in members and archive.read(members["byteorder"]).strip() not in (b"little", b""):
-                raise ValueError("big-endian storages are not supported")
-            pickled = archive.read(members["data.pkl"])
+        end = len(raw) if length is None else offset + length
+        if end > len(raw):
+            raise ValueError(f"{end - len(raw)} bytes missing at the end")
+        # zipfile finds the archive from its end record; bytes before `offset` count as prepended data
+        archive = zipfile.ZipFile(_Window(raw, end))
+        members = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
+        if "data.pkl" not in members:
+            raise ValueError("no data.pkl: not a torch.save zip archive")
+        if "byteorder" in members and archive.read(members["byteorder"]).strip() not in (b"little", b""):
+            raise ValueError("big-endian storages are not supported")
+        pickled = archive.read(members["data.pkl"])
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
         raise CheckpointError(
             f"{shown_as}: cannot be read ({str(err).splitlines()[0]}); the file is truncated or not a "
@@ -316,8 +348,6 @@ def load(path: str, shown_as: str):
                 raise pickle.UnpicklingError(f"storage {key} holds {info.file_size} bytes, fewer than {numel} {dtype}")
             storages[key] = np.frombuffer(raw, element, count=numel, offset=_member_offset(raw, info))
         return storages[key]
-
-    import io
 
     try:
         return _Unpickler(io.BytesIO(pickled), storage).load()
