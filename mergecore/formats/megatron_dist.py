@@ -138,61 +138,6 @@ def load_dcp_metadata(location: Location):
     return metadata
 
 
-def _reader_class(local: bool):
-    if local:
-        from torch.distributed.checkpoint import FileSystemReader as base
-    else:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as base
-
-    class _Reader(base):
-        """torch's reader, given metadata we unpickled ourselves (its read_metadata uses plain pickle)."""
-
-        def __init__(self, path, metadata):
-            super().__init__(path)
-            self._trusted_metadata = metadata
-
-        def read_metadata(self, *args, **kwargs):
-            return self._trusted_metadata
-
-    return _Reader
-
-
-def _box_planner(fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dest: torch.Tensor):
-    """A load planner that asks for one box of one key and copies it into `dest`."""
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-    from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
-    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-    class BoxPlanner(LoadPlanner):
-        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
-            self.metadata = metadata
-
-        def create_local_plan(self):
-            md = self.metadata.state_dict_metadata[fqn]
-            box = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-            return LoadPlan(create_read_items_for_chunk_list(fqn, md, [box]))
-
-        def create_global_plan(self, global_plan):
-            return global_plan
-
-        def finish_plan(self, central_plan):
-            return central_plan
-
-        def load_bytes(self, read_item, value):
-            raise CheckpointError(f"{fqn}: holds bytes, not a tensor")
-
-        def resolve_tensor(self, read_item):
-            target = dest
-            for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-                target = target.narrow(dim, start, length)
-            return target
-
-        def commit_tensor(self, read_item, tensor):
-            pass
-
-    return BoxPlanner()
-
-
 # ---- the index: HF name -> which box of which key --------------------------------------------
 
 @dataclass(frozen=True)
@@ -361,11 +306,6 @@ class MegatronDistCheckpoint(CheckpointSource):
 
     # ---- reading -------------------------------------------------------------------------------
 
-    def _reader(self):
-        local = self.dist_dir.is_local
-        path = self.dist_dir.fs._strip_protocol(self.dist_dir.url) if local else self.dist_dir.url
-        return _reader_class(local)(path, self.metadata)
-
     def read_slice(self, s: Slice) -> torch.Tensor:
         """`key[index]` from the .distcp files: only the bytes of that box are read.
 
@@ -375,22 +315,28 @@ class MegatronDistCheckpoint(CheckpointSource):
         """
         from ..arrays import numpy_dtype, to_torch
 
-        full = tuple(int(x) for x in self.metadata.state_dict_metadata[s.key].size)
-        lead = len(s.index)
-        box_offsets = (*s.index, *([0] * (len(full) - lead)))
-        box_sizes = (*([1] * lead), *full[lead:])
+        box_offsets, box_sizes = self._box(s)
         dest = np.empty(box_sizes, dtype=numpy_dtype(str(s.dtype).removeprefix("torch.")))
         for chunk_offsets, chunk_sizes, info in self._chunk_files.get(s.key, []):
             low = [max(b, c) for b, c in zip(box_offsets, chunk_offsets)]
             high = [min(b + n, c + m) for b, n, c, m in zip(box_offsets, box_sizes, chunk_offsets, chunk_sizes)]
             if any(lo >= hi for lo, hi in zip(low, high)):
                 continue
-            if info.transform_descriptors:  # a DCP storage extension (compression...): torch decodes it
-                return self._read_slice_with_dcp(s)
+            if info.transform_descriptors:
+                raise CheckpointError(
+                    f"{self.dist_dir.join(info.relative_path)}: {s.key} is stored through DCP extensions "
+                    f"{list(info.transform_descriptors)} (compression?), which ckptflow does not read; save the "
+                    "checkpoint without storage extensions")
             chunk = self._chunk_array(info, chunk_sizes, dest.dtype)
             dest[tuple(slice(lo - b, hi - b) for lo, hi, b in zip(low, high, box_offsets))] = \
                 chunk[tuple(slice(lo - c, hi - c) for lo, hi, c in zip(low, high, chunk_offsets))]
         return to_torch(dest).reshape(s.shape)
+
+    def _box(self, s: Slice) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(offsets, sizes) of `key[index]` within the key's global tensor."""
+        full = tuple(int(x) for x in self.metadata.state_dict_metadata[s.key].size)
+        lead = len(s.index)
+        return (*s.index, *([0] * (len(full) - lead))), (*([1] * lead), *full[lead:])
 
     def _chunk_array(self, info, sizes: tuple[int, ...], dtype) -> np.ndarray:
         """One stored chunk as a read-only numpy view of its mmapped .distcp file."""
@@ -415,34 +361,6 @@ class MegatronDistCheckpoint(CheckpointSource):
                                       f"{tuple(sizes)} chunk .metadata describes; the folder mixes two saves")
             self._chunks[key] = array
         return self._chunks[key]
-
-    def _read_slice_with_dcp(self, s: Slice) -> torch.Tensor:
-        """`key[index]` through torch's DCP reader (whole chunks are loaded, then narrowed)."""
-        full = tuple(int(x) for x in self.metadata.state_dict_metadata[s.key].size)
-        lead = len(s.index)
-        offsets = (*s.index, *([0] * (len(full) - lead)))
-        sizes = (*([1] * lead), *full[lead:])
-        dest = torch.empty(sizes, dtype=s.dtype)
-        planner = _box_planner(s.key, offsets, sizes, dest)
-        try:
-            # torch's load protocol, one process, no collectives: the planner asks for the box, the reader reads
-            # the chunks overlapping it
-            reader = self._reader()
-            reader.set_up_storage_reader(self.metadata, True)
-            planner.set_up_planner({}, self.metadata, True)
-            plan = reader.prepare_local_plan(planner.create_local_plan())
-            plan = planner.finish_plan(reader.prepare_global_plan(planner.create_global_plan([plan]))[0])
-            reader.read_data(plan, planner).wait()
-        except CheckpointError:
-            raise
-        except Exception as err:  # noqa: BLE001 - a missing or truncated .distcp file
-            files = ", ".join(sorted({p.name for p in self._files_for(s)}))
-            raise CheckpointError(
-                f"{self.dist_dir}: cannot read {s.key} from {files} ({type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''}); the file is missing or truncated: copy the whole "
-                "dist_ckpt folder again"
-            ) from None
-        return dest.reshape(s.shape)
 
     @cached_property
     def _chunk_files(self) -> dict[str, list[tuple[tuple, tuple, object]]]:
