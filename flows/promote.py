@@ -17,6 +17,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from mergecore import staging_folder
 from mergecore.merge import check_target
+from mergecore.output import BackgroundHashes
 from tasks import (discover_shards, finalize_model, merge_group, plan_groups, prepare_staging, push_to_hub,
                    run_equivalence_tests, validate_metadata)
 from tasks.caching import group_cache_policy, results_folder
@@ -44,16 +45,20 @@ def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False) -
     futures = {merge.with_options(refresh_cache=group in rewritten).submit(ref, plan, group, staged["staging"]): group
                for group in plan.groups}
     progress = create_progress_artifact(0.0, description=f"groups merged into {target}")
+    hashes = BackgroundHashes(Path(staged["staging"]))  # sha256 of files completed while others still merge
     states, shown = {}, time.monotonic()
     for done, future in enumerate(as_completed(list(futures)), start=1):
         future.wait()
         states[futures[future]] = future.state
+        if done < len(futures) and Path(staged["staging"]).exists():  # files finished by the last group are
+            # hashed by finalize_model, alongside its round-trip check
+            hashes.start_written(plan, {g for g, state in states.items() if state.is_completed()})
         if done == len(futures) or time.monotonic() - shown > PROGRESS_EVERY_S:  # each update is an API call
             update_progress_artifact(progress, 100.0 * done / len(futures))
             shown = time.monotonic()
     receipts = [states[g].result() for g in plan.groups]  # raises the first failure, after all groups ran
 
-    manifest = finalize_model(ref, staged["staging"], target, overwrite, receipts)
+    manifest = finalize_model(ref, staged["staging"], target, overwrite, receipts, hashes.digests())
     cached = [g for g in plan.groups if states[g].name == "Cached"]
     create_markdown_artifact(merge_report(source, plan, receipts, cached, manifest), key="merge-report",
                              description=f"merge of {source['location']}")

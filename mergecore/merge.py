@@ -166,6 +166,7 @@ def finalize(
     workers: int = 2,
     extra: dict | None = None,
     hashes=None,
+    digests: dict[str, str] | None = None,
 ) -> dict:
     """Prove the staging folder equals the shards, write index/config/tokenizer/manifest, publish.
 
@@ -176,15 +177,16 @@ def finalize(
     from .verify import verify_round_trip
 
     clock = Stopwatch()
+    known = dict(digests or {})  # sha256 of weight files hashed while later groups were merging
     hashes = hashes or BackgroundHashes(staging)
-    hashes.start(prepared.plan.files)  # overlaps with the round-trip check
+    hashes.start([file for file in prepared.plan.files if file not in known])  # overlaps with the round-trip check
     checks = [verify_round_trip(prepared.source, staging, prepared.plan.aliases, workers)] if verify else []
     clock.lap("verify")
     extra = dict(extra or {})
     extra["timings"] = {**extra.get("timings", {}), **clock.laps}
     extra.update(weights_id=weights_id(prepared.source, prepared.plan),
                  metadata_id=metadata_id(prepared.source, prepared.config), verification=checks)
-    manifest = write_metadata(prepared.source, prepared.config, prepared.plan, staging, extra, hashes.digests())
+    manifest = write_metadata(prepared.source, prepared.config, prepared.plan, staging, extra, {**known, **hashes.digests()})
     publish(staging, target, overwrite)
     return manifest
 
@@ -258,12 +260,9 @@ def merge_checkpoint(
     try:
         prepare_files(plan, staging)
         receipts = []
-        # Files are packed in group order: a file is complete once the group of its last tensor is written,
-        # and is hashed while later groups merge.
-        completed_by = {t.file: t.group for t in plan.tensors}
         for group in plan.groups:
             receipts.append(merge_group(prepared.source, plan, group, staging, workers, on_tensor))
-            hashes.start([file for file, last in completed_by.items() if last == group])
+            hashes.start_written(plan, {r["group"] for r in receipts})  # complete files hash while later groups merge
             if on_group:
                 on_group(group, receipts[-1])
         clock.lap("merge")

@@ -78,6 +78,11 @@ class BackgroundHashes:
             if name not in self._futures:
                 self._futures[name] = self._pool.submit(sha256_file, self._folder / name)
 
+    def start_written(self, plan: MergePlan, written_groups: set[str]) -> None:
+        """Start on every file whose groups are all written (groups may finish in any order)."""
+        self.start([file for file in plan.files if file not in self._futures
+                    and {t.group for t in plan.in_file(file)} <= written_groups])
+
     def digests(self) -> dict[str, str]:
         try:
             return {name: future.result() for name, future in self._futures.items()}

@@ -39,16 +39,19 @@ def merge_group(ref: CheckpointRef, plan: MergePlan, group: str, staging: str, w
 
 
 @task(name="finalize_model")
-def finalize_model(ref: CheckpointRef, staging: str, target: str, overwrite: bool, receipts: list[dict]) -> dict:
+def finalize_model(ref: CheckpointRef, staging: str, target: str, overwrite: bool, receipts: list[dict],
+                   digests: dict[str, str] | None = None) -> dict:
     """Round-trip check against the shards, index/config/tokenizer/manifest, atomic publish.
 
-    On a rerun whose weights are already published (no staging folder), only changed metadata is redone.
+    `digests`: sha256 of weight files already hashed (while later groups merged). On a rerun whose
+    weights are already published (no staging folder), only changed metadata is redone.
     """
     prepared = prepared_for(ref)
     with exclusive(results_folder(target) / "finalize.lock"):  # concurrent runs publish one at a time
         if not Path(staging).exists():
             return refresh_published(prepared, Path(target))
-        return finalize_folder(prepared, Path(staging), Path(target), overwrite, extra={"groups_written": receipts})
+        return finalize_folder(prepared, Path(staging), Path(target), overwrite, extra={"groups_written": receipts},
+                               digests=digests)
 
 
 @contextmanager
