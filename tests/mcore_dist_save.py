@@ -2,16 +2,18 @@
 
 Run as a script (megatron-core's writers spawn processes: needs the __main__ guard):
 
-    python mcore_dist_save.py save OUT_DIR PORT [dense|moe]
+    python mcore_dist_save.py save OUT_DIR PORT [dense|tied|moe]
         TP=1, one process. Writes OUT_DIR/dist_ckpt, OUT_DIR/params.pt (the model's own state dict, the
-        ground truth), OUT_DIR/logits.pt (Megatron's own forward on a fixed prompt, dense only: the MoE
-        spec's kernels do not run on CPU) and OUT_DIR/huggingface/config.json.
-    python mcore_dist_save.py reshard SOURCE_DIR OUT_DIR PORT TP PP VPP
+        ground truth), OUT_DIR/logits.pt (Megatron's own forward on a fixed prompt; not for moe: the MoE
+        spec's kernels do not run on CPU) and OUT_DIR/huggingface/config.json. tied: embeddings shared
+        with the output layer.
+    python mcore_dist_save.py reshard SOURCE_DIR OUT_DIR PORT TP PP VPP [dense|tied]
         TP*PP gloo processes build the same model split TP/PP/VPP ways, load SOURCE_DIR/dist_ckpt through
         megatron-core's own resharding load and save it again: a dist_ckpt as that parallel layout writes
         it. Without PP, rank 0 also writes OUT_DIR/logits.pt from the TP-parallel forward.
 
-Fixture-only patch (shared/FACTS.md): CPU-only torch needs torch.cuda.synchronize / current_device stubs.
+Fixture-only patches (shared/FACTS.md): CPU-only torch needs torch.cuda.synchronize / current_device stubs,
+and Tensor.cuda as the identity (tied embeddings under PP move their copy "to the GPU" before syncing it).
 """
 
 import json
@@ -29,6 +31,7 @@ def _start(rank: int, world: int, port: str, tp: int = 1, pp: int = 1, vpp: int 
 
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *a, **k: self  # tied embeddings under PP sync their copies "on the GPU"
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     import torch.distributed as dist
@@ -67,7 +70,7 @@ def _models(kind: str, tp: int = 1, pp: int = 1, vpp: int = 1) -> list:
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v)
         chunks.append(GPTModel(config, spec, vocab_size=PADDED_VOCAB, max_sequence_length=128, pre_process=first,
                                post_process=last, position_embedding_type="rope",
-                               share_embeddings_and_output_weights=False, vp_stage=v if vpp > 1 else None))
+                               share_embeddings_and_output_weights=kind == "tied", vp_stage=v if vpp > 1 else None))
     return chunks
 
 
@@ -94,6 +97,8 @@ def _hf_config(kind: str) -> dict:
     hf = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": HIDDEN, "intermediate_size": FFN,
           "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": GROUPS, "vocab_size": VOCAB,
           "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu"}
+    if kind == "tied":
+        hf.update(tie_word_embeddings=True)
     if kind == "moe":
         hf.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
                   moe_intermediate_size=32, shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])
@@ -115,7 +120,7 @@ def save(out: str, port: str, kind: str = "dense") -> None:
     dist_checkpointing.save({"model": model.sharded_state_dict()}, os.path.join(out, "dist_ckpt"))
     params = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
     torch.save(params, os.path.join(out, "params.pt"))
-    if kind == "dense":
+    if kind != "moe":
         _forward(model, out)
     os.makedirs(os.path.join(out, "huggingface"), exist_ok=True)
     with open(os.path.join(out, "huggingface", "config.json"), "w") as f:
@@ -123,12 +128,12 @@ def save(out: str, port: str, kind: str = "dense") -> None:
     dist.destroy_process_group()
 
 
-def _reshard_rank(rank: int, source: str, out: str, port: str, tp: int, pp: int, vpp: int) -> None:
+def _reshard_rank(rank: int, source: str, out: str, port: str, tp: int, pp: int, vpp: int, kind: str) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     _start(rank, tp * pp, port, tp, pp, vpp)
-    chunks = _models("dense", tp, pp, vpp)
+    chunks = _models(kind, tp, pp, vpp)
     keyed = {f"model{v}" if vpp > 1 else "model": chunk for v, chunk in enumerate(chunks)}
     loaded = dist_checkpointing.load({k: c.sharded_state_dict() for k, c in keyed.items()},
                                      os.path.join(source, "dist_ckpt"))
@@ -141,13 +146,13 @@ def _reshard_rank(rank: int, source: str, out: str, port: str, tp: int, pp: int,
     dist.destroy_process_group()
 
 
-def reshard(source: str, out: str, port: str, tp: str, pp: str, vpp: str) -> None:
+def reshard(source: str, out: str, port: str, tp: str, pp: str, vpp: str, kind: str = "dense") -> None:
     import torch.multiprocessing as mp
 
     tp, pp, vpp = int(tp), int(pp), int(vpp)
     os.makedirs(os.path.join(out, "dist_ckpt"), exist_ok=True)
     shutil.copytree(os.path.join(source, "huggingface"), os.path.join(out, "huggingface"), dirs_exist_ok=True)
-    mp.spawn(_reshard_rank, args=(source, out, port, tp, pp, vpp), nprocs=tp * pp, join=True)
+    mp.spawn(_reshard_rank, args=(source, out, port, tp, pp, vpp, kind), nprocs=tp * pp, join=True)
 
 
 if __name__ == "__main__":

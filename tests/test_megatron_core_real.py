@@ -1,4 +1,5 @@
-"""dist_ckpt folders written by real megatron-core on CPU (gloo): TP=1, TP=2, TP=2×PP=2, TP=2×PP=2×VPP=2.
+"""dist_ckpt folders written by real megatron-core on CPU (gloo): TP=1, TP=2, TP=2×PP=2, TP=2×PP=2×VPP=2,
+and tied embeddings at TP=2×PP=2.
 
 The TP=1 model's own parameters are the ground truth; the other layouts are that model loaded through
 megatron-core's resharding load and saved again by TP*PP processes, as training at that layout saves.
@@ -84,7 +85,7 @@ def merge_and_compare(role: Path, expected: dict, out: Path) -> None:
     assert isinstance(source, MegatronDistCheckpoint)
     source.validate()
     assert source.describe()["stacked_layers"] and source.describe()["layers"] == 4
-    assert sorted(source.tensors()) == sorted(expected)
+    assert sorted(source.tensors()) == sorted(expected)  # tied: no lm_head, as Hugging Face stores it
     manifest = merge_checkpoint(str(role), out, dtype="keep")
     assert manifest["verification"][0]["ok"] and manifest["verification"][0]["tensors"] == len(expected)
     merged = load_folder(out)
@@ -92,20 +93,22 @@ def merge_and_compare(role: Path, expected: dict, out: Path) -> None:
         assert torch.equal(merged[name], tensor), name
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "tied", "moe"])
 def test_tp1_save_merges_to_the_models_own_parameters(saved, kind, tmp_path):
     role = saved(kind)
     assert open_checkpoint(str(role.parent.parent)).step == 3
     merge_and_compare(role, expected_tensors(role), tmp_path / "merged")
-    if kind == "dense":  # Megatron's own forward runs on CPU for the local dense spec (not MoE: its kernels)
+    if kind != "moe":  # Megatron's own forward runs on CPU for the local dense spec (not MoE: its kernels)
         assert_logits_match(tmp_path / "merged", role / "logits.pt")
 
 
-@pytest.mark.parametrize("tp,pp,vpp", [(2, 1, 1), (2, 2, 1), (2, 2, 2)], ids=["tp2", "tp2-pp2", "tp2-pp2-vpp2"])
-def test_parallel_saves_merge_to_the_same_model(saved, tp, pp, vpp, tmp_path):
-    base = saved("dense")
+@pytest.mark.parametrize("kind,tp,pp,vpp", [("dense", 2, 1, 1), ("dense", 2, 2, 1), ("dense", 2, 2, 2), ("tied", 2, 2, 1)],
+                         ids=["tp2", "tp2-pp2", "tp2-pp2-vpp2", "tied-tp2-pp2"])
+def test_parallel_saves_merge_to_the_same_model(saved, kind, tp, pp, vpp, tmp_path):
+    """Tied embeddings under PP: the last stage's copy of the embedding is saved once, as the embedding."""
+    base = saved(kind)
     role = tmp_path / "run" / "global_step_7" / "actor"
-    _megatron("reshard", base, role, _free_port(), tp, pp, vpp)
+    _megatron("reshard", base, role, _free_port(), tp, pp, vpp, kind)
     assert len(list((role / "dist_ckpt").glob("*.distcp"))) >= tp * pp  # every rank wrote its pieces
     merge_and_compare(role, expected_tensors(base), tmp_path / "merged")
     assert_logits_match(tmp_path / "merged", base / "logits.pt")
