@@ -69,7 +69,6 @@ def main() -> None:
         def empty() -> None:
             return None
 
-        subprocess.run(f"cat {role}/model_*.pt > /dev/null", shell=True, check=True)
         out = args.work / "flow-out"
         bare, cold, rerun, fixed = [], [], [], []
         with in_process_settings():  # as the CLI runs flows: no heartbeat thread to join
@@ -77,15 +76,22 @@ def main() -> None:
             # measured on a quiet client: right after a promotion an empty run also waits for the
             # previous run's events and logs to drain (~1.8 s here), which is not its own cost
             fixed = [timed(empty) for _ in range(args.repeat)]
+        def quiet() -> None:
+            """No output of the previous sample, no dirty pages being written back, input in page cache."""
+            shutil.rmtree(out, ignore_errors=True)
+            subprocess.run(f"sync && cat {role}/model_*.pt > /dev/null", shell=True, check=True)
+
         for i in range(args.repeat):
-            shutil.rmtree(out, ignore_errors=True)
+            quiet()
             bare.append(timed(lambda: merge_checkpoint(str(role), out, dtype="bf16")))
-            shutil.rmtree(out, ignore_errors=True)
+            quiet()
             os.environ["CKPTFLOW_RESULTS"] = str(args.work / f"flow-results-{time.time_ns()}")
             cold.append(timed(lambda: run_promotion(checkpoint=str(role), target=str(out), dtype="bf16")))
             rerun.append(timed(lambda: run_promotion(checkpoint=str(role), target=str(out), dtype="bf16")))
         med = {name: statistics.median(v) for name, v in
                {"bare": bare, "cold": cold, "rerun": rerun, "fixed": fixed}.items()}
+        print("samples (s): " + "; ".join(f"{name} " + " ".join(f"{v:.2f}" for v in values)
+                                          for name, values in (("bare", bare), ("cold", cold), ("rerun", rerun))))
         print(f"medians of {args.repeat} (10-layer bench checkpoint, bf16, warm page cache, server running)")
         print(f"  bare merge_checkpoint        {med['bare']:6.2f} s")
         print(f"  promote_checkpoint, cold     {med['cold']:6.2f} s   flow / bare = {med['cold'] / med['bare']:.2f}x (goal <= 1.2x)")
