@@ -45,13 +45,12 @@ def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False) -
     futures = {merge.with_options(refresh_cache=group in rewritten).submit(ref, plan, group, staged["staging"]): group
                for group in plan.groups}
     progress = create_progress_artifact(0.0, description=f"groups merged into {target}")
-    hashes = BackgroundHashes(Path(staged["staging"]))  # sha256 of files completed while others still merge
+    hashes = BackgroundHashes(Path(staged["staging"]))  # sha256 of each file as far as it is written
     states, shown = {}, time.monotonic()
     for done, future in enumerate(as_completed(list(futures)), start=1):
         future.wait()
         states[futures[future]] = future.state
-        if done < len(futures) and Path(staged["staging"]).exists():  # files finished by the last group are
-            # hashed by finalize_model, alongside its round-trip check
+        if Path(staged["staging"]).exists():
             hashes.start_written(plan, {g for g, state in states.items() if state.is_completed()})
         if done == len(futures) or time.monotonic() - shown > PROGRESS_EVERY_S:  # each update is an API call
             update_progress_artifact(progress, 100.0 * done / len(futures))

@@ -7,8 +7,8 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 
@@ -62,32 +62,88 @@ def copy_hf_files(source: CheckpointSource, folder: Path) -> list[str]:
 
 
 class BackgroundHashes:
-    """sha256 of finished files, computed on one background thread while other work goes on.
+    """sha256 of output files on one background thread. A file is hashed front to back as far as its
+    bytes are written (`start_written`), so hashing overlaps with merging instead of following it;
+    `start` marks whole files as written.
 
     >>> hashes = BackgroundHashes(folder); hashes.start(["model-00001-of-00002.safetensors"])  # doctest: +SKIP
     >>> hashes.digests()                                                                  # doctest: +SKIP
     """
 
+    _CHUNK = 16 << 20
+
     def __init__(self, folder: Path):
         self._folder = folder
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
-        self._futures: dict = {}
+        self._goal: dict[str, int | None] = {}  # bytes known written; None: the whole file
+        self._state: dict[str, tuple] = {}      # file -> (sha256 object, bytes hashed)
+        self._done: dict[str, str] = {}
+        self._closing = False
+        self._error: BaseException | None = None
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="sha256", daemon=True)
+        self._thread.start()
 
     def start(self, names: list[str]) -> None:
-        for name in names:
-            if name not in self._futures:
-                self._futures[name] = self._pool.submit(sha256_file, self._folder / name)
+        with self._wake:
+            self._goal.update({name: None for name in names if name not in self._done})
+            self._wake.notify()
 
     def start_written(self, plan: MergePlan, written_groups: set[str]) -> None:
-        """Start on every file whose groups are all written (groups may finish in any order)."""
-        self.start([file for file in plan.files if file not in self._futures
-                    and {t.group for t in plan.in_file(file)} <= written_groups])
+        """Hash each file up to the end of its leading tensors whose groups are written (in any order)."""
+        with self._wake:
+            for file in plan.files:
+                if file in self._done or (file in self._goal and self._goal[file] is None):
+                    continue
+                header = len(plan.header(file))
+                end, whole = header, True
+                for planned in plan.in_file(file):  # in file order
+                    if planned.group not in written_groups:
+                        whole = False
+                        break
+                    end = header + planned.end
+                self._goal[file] = None if whole else max(end, self._goal.get(file) or 0)
+            self._wake.notify()
 
     def digests(self) -> dict[str, str]:
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return dict(self._done)
+
+    def _next(self):
+        """A (file, goal) with bytes left to hash, or None."""
+        for file, goal in self._goal.items():
+            if file not in self._done and (goal is None or goal > self._state.get(file, (None, 0))[1]):
+                return file, goal
+        return None
+
+    def _run(self) -> None:
         try:
-            return {name: future.result() for name, future in self._futures.items()}
-        finally:
-            self._pool.shutdown()
+            while True:
+                with self._wake:
+                    while (work := self._next()) is None and not self._closing:
+                        self._wake.wait()
+                if work is None:
+                    return
+                self._advance(*work)
+        except BaseException as error:  # noqa: BLE001 - reported by digests()
+            self._error = error
+
+    def _advance(self, file: str, goal: int | None) -> None:
+        digest, position = self._state.get(file) or (hashlib.sha256(), 0)
+        with open(self._folder / file, "rb") as f:
+            while goal is None or position < goal:
+                block = os.pread(f.fileno(), self._CHUNK if goal is None else min(self._CHUNK, goal - position), position)
+                if not block:
+                    break
+                digest.update(block)
+                position += len(block)
+        self._state[file] = (digest, position)
+        if goal is None:
+            self._done[file] = digest.hexdigest()
 
 
 def write_metadata(source: CheckpointSource, config: dict, plan: MergePlan, folder: Path, extra: dict | None = None,

@@ -101,3 +101,23 @@ def test_hsdp_replica_check(demo_copy, tmp_path):
     with pytest.raises(CheckpointError, match="rank_2.pt: tensor model.norm.weight differs .* replica"):
         merge_checkpoint(str(ckpt.role_dir), tmp_path / "bad", check_replicas=True)
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("order", ["in order", "reversed"])
+def test_file_hashes_follow_the_groups_as_they_are_written(demo, tmp_path, order):
+    """Each file is hashed front to back as far as its groups are written; the digests are the files' sha256."""
+    from mergecore import merge_group, prepare
+    from mergecore.output import BackgroundHashes, sha256_file
+    from mergecore.writer import prepare_files
+
+    prepared = prepare(str(demo("fsdp2-w2").role_dir), max_shard_size="100KB")
+    plan = prepared.plan
+    assert len(plan.files) > 2
+    prepare_files(plan, tmp_path)
+    hashes = BackgroundHashes(tmp_path)
+    written: set[str] = set()
+    for group in plan.groups if order == "in order" else reversed(plan.groups):
+        merge_group(prepared.source, plan, group, tmp_path)
+        written.add(group)
+        hashes.start_written(plan, written)
+    assert hashes.digests() == {file: sha256_file(tmp_path / file) for file in plan.files}
