@@ -70,7 +70,7 @@ class BackgroundHashes:
     >>> hashes.digests()                                                                  # doctest: +SKIP
     """
 
-    _CHUNK = 16 << 20
+    _CHUNK = 4 << 20
 
     def __init__(self, folder: Path):
         self._folder = folder
