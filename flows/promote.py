@@ -6,7 +6,6 @@ discover_shards -> validate_metadata -> plan_groups -> prepare_staging -> merge_
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from prefect import flow
@@ -26,9 +25,6 @@ from tasks.sources import CheckpointRef
 from .reports import equivalence_rows, merge_report
 
 
-PROGRESS_EVERY_S = 0.5
-
-
 @flow(name="merge-checkpoint", task_runner=ThreadPoolTaskRunner(max_workers=2))
 def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False) -> dict:
     """Checkpoint -> verified Hugging Face folder at `target`; groups are cached across runs."""
@@ -46,15 +42,13 @@ def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False) -
                for group in plan.groups}
     progress = create_progress_artifact(0.0, description=f"groups merged into {target}")
     hashes = BackgroundHashes(Path(staged["staging"]))  # sha256 of each file as far as it is written
-    states, shown = {}, time.monotonic()
+    states = {}
     for done, future in enumerate(as_completed(list(futures)), start=1):
         future.wait()
         states[futures[future]] = future.state
         if Path(staged["staging"]).exists():
             hashes.start_written(plan, {g for g, state in states.items() if state.is_completed()})
-        if done == len(futures) or time.monotonic() - shown > PROGRESS_EVERY_S:  # each update is an API call
-            update_progress_artifact(progress, 100.0 * done / len(futures))
-            shown = time.monotonic()
+        update_progress_artifact(progress, 100.0 * done / len(futures))
     receipts = [states[g].result() for g in plan.groups]  # raises the first failure, after all groups ran
 
     manifest = finalize_model(ref, staged["staging"], target, overwrite, receipts, hashes.digests())
