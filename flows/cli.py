@@ -161,6 +161,7 @@ def test_command(
     atol: float = typer.Option(0.0, "--atol", help="Absolute tolerance for tensor values (0 = exact)."),
     rtol: float = typer.Option(0.0, "--rtol", help="Relative tolerance for tensor values (0 = exact)."),
     logits: bool = typer.Option(True, "--logits/--no-logits", help="Also compare logits on fixed token ids."),
+    custom_mapping: Optional[str] = CUSTOM_MAPPING,
 ):
     """Merge into a temporary folder and compare it with a reference model (verl's `test`)."""
     from mergecore import compare_logits, compare_with_reference
@@ -168,7 +169,7 @@ def test_command(
     with tempfile.TemporaryDirectory(prefix="ckptflow-test-") as scratch:
         target = Path(scratch) / "merged"
         run_merge(local_dir, target, backend, role, hf_model_path, dtype, "5GB", tie_word_embedding,
-                  is_value_model, False, True, False, 2)
+                  is_value_model, False, True, False, 2, custom_mapping)
         results = [compare_with_reference(target, Path(test_hf_dir), atol, rtol)]
         if logits:
             results.append(compare_logits(target, Path(test_hf_dir), trust_remote_code=trust_remote_code))
@@ -185,6 +186,8 @@ def verify(
     skip_source: bool = typer.Option(False, "--skip-source", help="Do not re-read the source checkpoint (hashes only)."),
     atol: float = typer.Option(0.0, "--atol"),
     rtol: float = typer.Option(0.0, "--rtol"),
+    custom_mapping: Optional[str] = typer.Option(
+        None, "--custom-mapping", "--custom_mapping", help="Name patterns for the source (default: the merge's, from its manifest)."),
 ):
     """Re-check a merged folder: manifest hashes, round-trip against the source shards, optional reference."""
     from mergecore import compare_logits, compare_with_reference, open_checkpoint, verify_manifest, verify_round_trip
@@ -193,7 +196,8 @@ def verify(
     results = [verify_manifest(folder)]
     if not skip_source:
         manifest = load_manifest(folder)
-        source = open_checkpoint(manifest["source"]["location"])
+        source = open_checkpoint(manifest["source"]["location"],
+                                 custom_mapping=custom_mapping or manifest["source"].get("custom_mapping"))
         results.append(verify_round_trip(source, folder, manifest.get("aliases", {})))
     if reference:
         results.append(compare_with_reference(folder, reference, atol, rtol))
@@ -217,11 +221,12 @@ def inspect(
     role: str = ROLE,
     backend: str = BACKEND,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    custom_mapping: Optional[str] = CUSTOM_MAPPING,
 ):
     """Describe a checkpoint: format, world size, mesh, placements, tensors and bytes per group."""
     from mergecore.inspect import describe_checkpoint
 
-    report = describe_checkpoint(source, role=role, backend=backend)
+    report = describe_checkpoint(source, role=role, backend=backend, custom_mapping=custom_mapping)
     if as_json:
         print(json.dumps(report, indent=2))
         return

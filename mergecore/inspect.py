@@ -8,13 +8,13 @@ from .formats import open_checkpoint
 from .layout import group_of
 
 
-def describe_checkpoint(path: str, role: str = "actor", backend: str = "auto") -> dict:
+def describe_checkpoint(path: str, role: str = "actor", backend: str = "auto", custom_mapping: str | None = None) -> dict:
     """Format facts plus tensors, bytes, dtypes and layouts per layer group (metadata only).
 
     >>> describe_checkpoint("ckpts/run1")["checkpoint"]["world_size"]  # doctest: +SKIP
     4
     """
-    source = open_checkpoint(path, role=role, backend=backend)
+    source = open_checkpoint(path, role=role, backend=backend, custom_mapping=custom_mapping)
     groups: dict[str, dict] = {}
     order: dict[str, tuple] = {}
     for name, info in source.tensors().items():

@@ -79,13 +79,14 @@ def tied_embeddings(config: dict) -> bool:
     return bool(value)
 
 
-def check_against_config(shapes: dict[str, tuple[int, ...]], config: dict, where: str) -> None:
-    """Every tensor's shape must be what config.json says; unknown names fail for known families.
+def check_against_config(shapes: dict[str, tuple[int, ...]], config: dict, where: str, allow_unknown: bool = False) -> None:
+    """Every tensor's shape must be what config.json says; unknown names fail for known families
+    unless `allow_unknown` (names a user's --custom-mapping vouches for).
 
     `where` names the config file in error messages.
     """
     dims = dimensions(config)
-    checked = config.get("model_type") in CHECKED_MODEL_TYPES
+    checked = config.get("model_type") in CHECKED_MODEL_TYPES and not allow_unknown
     for name, shape in shapes.items():
         pattern = next((p for regex, p in _PATTERNS if regex.match(name)), None)
         if pattern is None:

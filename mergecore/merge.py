@@ -103,7 +103,8 @@ def prepare(
     config = read_hf_config(source)
     source.validate(check_replicas=check_replicas)
     shapes = {name: info.shape for name, info in source.tensors().items()}
-    check_against_config(shapes, config, str(source.hf_dir.join("config.json")))
+    check_against_config(shapes, config, str(source.hf_dir.join("config.json")),
+                         allow_unknown=bool(getattr(source, "custom_mapping", None)))
     tied = check_tied_embeddings(source, config, tie_word_embedding)
     plan = make_plan(str(source.location), source.tensors(), resolve_dtype(dtype, config), tied, parse_size(max_shard_size))
     return Prepared(source, config, plan)

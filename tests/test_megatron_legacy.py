@@ -355,6 +355,26 @@ def test_unknown_parameter_names_the_key_and_custom_mapping(mcore_copy, tmp_path
     assert source.tensors()["model.layers.1.mlp.mystery.weight"].shape == (4,)
 
 
+def test_custom_mapping_through_the_cli(mcore_copy, cli, tmp_path):
+    """merge records the mapping in the manifest, so verify re-reads the source with it; inspect takes it too."""
+    ckpt = mcore_copy("llama", "tp2")
+    for folder in ("mp_rank_00", "mp_rank_01"):
+        edit_rank_file(rank_file(ckpt, folder), lambda c: c[0].__setitem__("decoder.layers.1.mlp.mystery.weight", torch.ones(4)))
+    mapping = tmp_path / "mapping.json"
+    mapping.write_text(json.dumps({"decoder.layers.{}.mlp.mystery.weight": ["model.layers.{}.mlp.mystery.weight", "replicated"]}))
+    assert cli("inspect", ckpt.role_dir, "--json").exit_code == 2  # the unknown key, without the mapping
+    result = cli("inspect", ckpt.role_dir, "--json", "--custom-mapping", mapping)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["checkpoint"]["custom_mapping"] == str(mapping)
+    out = tmp_path / "out"
+    result = cli("merge", "--local_dir", ckpt.role_dir, "--target_dir", out, "--custom-mapping", mapping)
+    assert result.exit_code == 0, result.output
+    assert "model.layers.1.mlp.mystery.weight" in load_folder(out)
+    result = cli("verify", out)
+    assert result.exit_code == 0, result.output
+    assert "round-trip" in result.stdout
+
+
 def test_replicated_norm_differs_across_tp_ranks(mcore_copy):
     ckpt = mcore_copy("qwen3", "tp2")
     edit_rank_file(rank_file(ckpt, "mp_rank_01"),

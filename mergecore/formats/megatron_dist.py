@@ -181,7 +181,7 @@ class MegatronDistCheckpoint(CheckpointSource):
             hf_dir = next((c for c in candidates if c.join("config.json").exists()), candidates[0])
         self.hf_dir = hf_dir
         self.step = step
-        self.custom_mapping = custom_mapping
+        self.custom_mapping = Location.of(custom_mapping).url if custom_mapping else None  # absolute: kept in manifests
         self._check_backend()
         self.metadata = load_dcp_metadata(dist.join(DIST_METADATA_FILE))
 
@@ -531,6 +531,7 @@ class MegatronDistCheckpoint(CheckpointSource):
             "layers": len(layered),
             "iteration": iteration if isinstance(iteration, int) else None,
             "files": [f"{self.dist_dir.name}/{f}" for f in files],
+            "custom_mapping": self.custom_mapping,
         }
 
 

@@ -138,7 +138,7 @@ class MegatronLegacyCheckpoint(CheckpointSource):
                 hf_dir = nested
         self.hf_dir = hf_dir
         self.step = step
-        self.custom_mapping = custom_mapping
+        self.custom_mapping = Location.of(custom_mapping).url if custom_mapping else None  # absolute: kept in manifests
         self.tp, self.pp, self._rank_dirs = self._find_ranks()
         self._states: dict[tuple[int, int], list[dict]] = {}
         self._lock = threading.Lock()
@@ -585,4 +585,5 @@ class MegatronLegacyCheckpoint(CheckpointSource):
             "vpp": self.vpp,
             "layers_per_chunk": [self.layers_per_chunk[c] for c in self.chunk_order()],
             "files": [f"model/{self._rank_dirs[(t, p)]}/{MODEL_FILE}" for p in range(self.pp) for t in range(self.tp)],
+            "custom_mapping": self.custom_mapping,
         }
