@@ -207,6 +207,8 @@ def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, 
 
 
 def _rebuild_wrapper_subclass(cls, dtype, size, *rest):
+    if not (isinstance(cls, type) and issubclass(cls, Record)):
+        raise pickle.UnpicklingError(f"refusing to rebuild a tensor subclass as {cls!r}")
     return cls()
 
 
