@@ -42,11 +42,12 @@ def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False) -
                for group in plan.groups}
     progress = create_progress_artifact(0.0, description=f"groups merged into {target}")
     hashes = BackgroundHashes(Path(staged["staging"]))  # sha256 of each file as far as it is written
+    writing = Path(staged["staging"]).exists()  # not when the target already holds this merge
     states = {}
     for done, future in enumerate(as_completed(list(futures)), start=1):
         future.wait()
         states[futures[future]] = future.state
-        if Path(staged["staging"]).exists():
+        if writing:
             hashes.start_written(plan, {g for g, state in states.items() if state.is_completed()})
         update_progress_artifact(progress, 100.0 * done / len(futures))
     receipts = [states[g].result() for g in plan.groups]  # raises the first failure, after all groups ran

@@ -97,7 +97,7 @@ def bitwise_equal(a, b) -> bool:
     a, b = to_numpy(a), to_numpy(b)
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    if a.dtype.kind in "fcV" or a.dtype == ml_dtypes.bfloat16:
+    if a.dtype.kind in "fV":  # floats, and ml_dtypes' bfloat16 (kind V): compare the bits
         bits = _SAME_SIZE_UINT[a.dtype.itemsize]
         return bool(np.array_equal(a.view(bits), b.view(bits)))
     return bool(np.array_equal(a, b))

@@ -263,7 +263,7 @@ def merge_checkpoint(
         receipts = []
         for group in plan.groups:
             receipts.append(merge_group(prepared.source, plan, group, staging, workers, on_tensor))
-            hashes.start_written(plan, {r["group"] for r in receipts})  # complete files hash while later groups merge
+            hashes.start_written(plan, {r["group"] for r in receipts})  # files hash as far as they are written
             if on_group:
                 on_group(group, receipts[-1])
         clock.lap("merge")

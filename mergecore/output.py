@@ -77,6 +77,7 @@ class BackgroundHashes:
         self._goal: dict[str, int | None] = {}  # bytes known written; None: the whole file
         self._state: dict[str, tuple] = {}      # file -> (sha256 object, bytes hashed)
         self._done: dict[str, str] = {}
+        self._ends: dict[str, tuple[int, list[tuple[str, int]]]] | None = None  # from the plan, on first use
         self._closing = False
         self._error: BaseException | None = None
         self._wake = threading.Condition()
@@ -90,17 +91,19 @@ class BackgroundHashes:
 
     def start_written(self, plan: MergePlan, written_groups: set[str]) -> None:
         """Hash each file up to the end of its leading tensors whose groups are written (in any order)."""
+        if self._ends is None:  # per file: where the data starts, then (group, end byte) of each tensor in order
+            self._ends = {file: (len(plan.header(file)), [(t.group, t.end) for t in plan.in_file(file)])
+                          for file in plan.files}
         with self._wake:
-            for file in plan.files:
+            for file, (start, tensors) in self._ends.items():
                 if file in self._done or (file in self._goal and self._goal[file] is None):
                     continue
-                header = len(plan.header(file))
-                end, whole = header, True
-                for planned in plan.in_file(file):  # in file order
-                    if planned.group not in written_groups:
+                end, whole = start, True
+                for group, tensor_end in tensors:
+                    if group not in written_groups:
                         whole = False
                         break
-                    end = header + planned.end
+                    end = start + tensor_end
                 self._goal[file] = None if whole else max(end, self._goal.get(file) or 0)
             self._wake.notify()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import mmap
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +20,10 @@ class SafetensorsFile:
 
     (safetensors' own numpy loader copies each tensor; verification reads every byte, so views pay.)
 
-    >>> with SafetensorsFile("model-00001-of-00002.safetensors") as f:   # doctest: +SKIP
-    ...     f.get_tensor("model.norm.weight").dtype
+    >>> SafetensorsFile("model-00001-of-00002.safetensors").get_tensor("model.norm.weight").dtype  # doctest: +SKIP
     dtype(bfloat16)
+
+    The mapping closes when the last view of it goes.
     """
 
     def __init__(self, path: str | Path):
@@ -48,15 +48,6 @@ class SafetensorsFile:
         flat = np.frombuffer(self._raw, dtype, count=(end - begin) // dtype.itemsize, offset=self._start + begin)
         return flat.reshape(entry["shape"])
 
-    def close(self) -> None:
-        self._raw.close()
-
-    def __enter__(self) -> SafetensorsFile:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass  # views may outlive the with-block; the mapping closes when the last one goes
-
 
 class HfWeights:
     """The weights of a Hugging Face folder (sharded or single safetensors, or pytorch .bin).
@@ -67,14 +58,12 @@ class HfWeights:
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
-        self._stack = ExitStack()
         self._where: dict[str, object] = {}
-        self._bins: dict[str, dict] = {}
 
     def __enter__(self) -> HfWeights:
         files = sorted(self.folder.glob("*.safetensors"))
         for file in files:
-            handle = self._stack.enter_context(SafetensorsFile(file))
+            handle = SafetensorsFile(file)
             for name in handle.keys():
                 self._where[name] = handle
         if not files:
@@ -88,7 +77,7 @@ class HfWeights:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stack.close()
+        self._where.clear()  # files unmap once the views handed out are gone too
 
     def names(self) -> list[str]:
         return list(self._where)

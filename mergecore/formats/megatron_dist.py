@@ -44,7 +44,7 @@ import torch
 from ..errors import CheckpointError, VerificationError
 from ..megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
 from ..storage import Location
-from ..arrays import bitwise_equal, to_torch
+from ..arrays import bitwise_equal, numpy_dtype, to_torch
 from ..transforms import Transform, VocabParallel, make_transform
 from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from . import torchfile
@@ -309,12 +309,10 @@ class MegatronDistCheckpoint(CheckpointSource):
     def read_slice(self, s: Slice) -> torch.Tensor:
         """`key[index]` from the .distcp files: only the bytes of that box are read.
 
-        DCP stores each chunk as a torch.save archive (or raw bytes) at a byte range of a .distcp file;
+        DCP stores each chunk as a torch.save archive at a byte range of a .distcp file;
         torch's own reader loads whole chunks, which for a stacked `[L, ...]` key means every layer for
         each layer. We map the chunk (torchfile: numpy views of the mmapped file) and copy out the box.
         """
-        from ..arrays import numpy_dtype, to_torch
-
         box_offsets, box_sizes = self._box(s)
         dest = np.empty(box_sizes, dtype=numpy_dtype(str(s.dtype).removeprefix("torch.")))
         for chunk_offsets, chunk_sizes, info in self._chunk_files.get(s.key, []):
@@ -327,7 +325,7 @@ class MegatronDistCheckpoint(CheckpointSource):
                     f"{self.dist_dir.join(info.relative_path)}: {s.key} is stored through DCP extensions "
                     f"{list(info.transform_descriptors)} (compression?), which ckptflow does not read; save the "
                     "checkpoint without storage extensions")
-            chunk = self._chunk_array(info, chunk_sizes, dest.dtype)
+            chunk = self._chunk_array(info, chunk_sizes)
             dest[tuple(slice(lo - b, hi - b) for lo, hi, b in zip(low, high, box_offsets))] = \
                 chunk[tuple(slice(lo - c, hi - c) for lo, hi, c in zip(low, high, chunk_offsets))]
         return to_torch(dest).reshape(s.shape)
@@ -338,22 +336,16 @@ class MegatronDistCheckpoint(CheckpointSource):
         lead = len(s.index)
         return (*s.index, *([0] * (len(full) - lead))), (*([1] * lead), *full[lead:])
 
-    def _chunk_array(self, info, sizes: tuple[int, ...], dtype) -> np.ndarray:
-        """One stored chunk as a read-only numpy view of its mmapped .distcp file."""
+    def _chunk_array(self, info, sizes: tuple[int, ...]) -> np.ndarray:
+        """One stored chunk (a torch.save archive, DCP's default serialization) as a read-only numpy
+        view of its mmapped .distcp file."""
         key = (info.relative_path, info.offset)
         if key not in self._chunks:
             location = self.dist_dir.join(info.relative_path)
             shown = f"{location} (bytes {info.offset}+{info.length})"
             try:
-                path = location.local_file()
-                with open(path, "rb") as f:
-                    f.seek(info.offset)
-                    magic = f.read(4)
-                if magic == b"PK\x03\x04":  # a torch.save archive: the default DCP serialization
-                    array = torchfile.load(path, shown, info.offset, info.length)
-                else:  # raw little-endian bytes
-                    array = np.memmap(path, dtype=dtype, mode="r", offset=info.offset, shape=sizes)
-            except (OSError, ValueError) as err:
+                array = torchfile.load(location.local_file(), shown, info.offset, info.length)
+            except OSError as err:
                 raise CheckpointError(f"{shown}: cannot be read ({err}); the file is missing or truncated: copy the "
                                       "whole dist_ckpt folder again") from None
             if not isinstance(array, np.ndarray) or tuple(array.shape) != tuple(sizes):

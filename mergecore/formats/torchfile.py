@@ -59,12 +59,19 @@ class Record:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items() if k != 'args')})"
 
 
-class Shard(Record):
+class _Placement(Record):
+    """How a DTensor is laid out along one mesh dimension; the methods fsdp.py asks, as torch's have."""
+
     def is_shard(self) -> bool:
-        return True
+        return False
 
     def is_replicate(self) -> bool:
         return False
+
+
+class Shard(_Placement):
+    def is_shard(self) -> bool:
+        return True
 
     def __str__(self):  # torch's short form, as in layouts: "S(0)"
         return f"S({self.dim})"
@@ -73,10 +80,7 @@ class Shard(Record):
         return f"Shard(dim={self.dim})"
 
 
-class Replicate(Record):
-    def is_shard(self) -> bool:
-        return False
-
+class Replicate(_Placement):
     def is_replicate(self) -> bool:
         return True
 
@@ -87,14 +91,8 @@ class Replicate(Record):
         return "Replicate()"
 
 
-class OtherPlacement(Record):
+class OtherPlacement(_Placement):
     """Partial, _StridedShard (FSDP combined with tensor parallelism): not merged by this reader."""
-
-    def is_shard(self) -> bool:
-        return False
-
-    def is_replicate(self) -> bool:
-        return False
 
     def __str__(self):
         return type(self).__name__
