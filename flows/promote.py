@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import flow
-from prefect.artifacts import (create_link_artifact, create_markdown_artifact, create_progress_artifact,
-                               create_table_artifact, update_progress_artifact)
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.utilities.annotations import quote
 
 from mergecore import staging_folder
 from mergecore.merge import check_target
@@ -22,6 +22,7 @@ from tasks import (discover_shards, finalize_model, merge_group, plan_groups, pr
 from tasks.caching import group_cache_policy, results_folder
 from tasks.sources import CheckpointRef
 
+from .progress import GroupProgress
 from .reports import equivalence_rows, merge_report
 
 
@@ -31,28 +32,28 @@ def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False) -
     source = discover_shards(ref)
     validate_metadata(ref)
     plan = plan_groups(ref)
+    plan_as_is = quote(plan)  # not walked for futures: Prefect's walk of a large plan costs ms per task
     if already_published(ref, target, overwrite):  # a rerun after success: every group is a cache hit
         staged = {"staging": str(staging_folder(target)), "created": []}
     else:
-        staged = prepare_staging(plan, target)
+        staged = prepare_staging(plan_as_is, target)
 
     merge = merge_group.with_options(cache_policy=group_cache_policy(target), result_storage=results_folder(target))
     rewritten = {g for g in plan.groups if any(t.file in staged["created"] for t in plan.in_group(g))}
-    futures = {merge.with_options(refresh_cache=group in rewritten).submit(ref, plan, group, staged["staging"]): group
-               for group in plan.groups}
-    progress = create_progress_artifact(0.0, description=f"groups merged into {target}")
+    futures = {merge.with_options(refresh_cache=group in rewritten).submit(ref, plan_as_is, group, staged["staging"]):
+               group for group in plan.groups}
     hashes = BackgroundHashes(Path(staged["staging"]))  # sha256 of each file as far as it is written
     writing = Path(staged["staging"]).exists()  # not when the target already holds this merge
     states = {}
-    for done, future in enumerate(as_completed(list(futures)), start=1):
-        future.wait()
-        states[futures[future]] = future.state
-        if writing:
-            hashes.start_written(plan, {g for g, state in states.items() if state.is_completed()})
-        update_progress_artifact(progress, 100.0 * done / len(futures))
-    receipts = [states[g].result() for g in plan.groups]  # raises the first failure, after all groups ran
-
-    manifest = finalize_model(ref, staged["staging"], target, overwrite, receipts, hashes.digests())
+    with GroupProgress(len(futures), f"groups merged into {target}") as progress:
+        for future in as_completed(list(futures)):
+            future.wait()
+            states[futures[future]] = future.state
+            if writing:
+                hashes.start_written(plan, {g for g, state in states.items() if state.is_completed()})
+            progress.advance()
+        receipts = [states[g].result() for g in plan.groups]  # raises the first failure, after all groups ran
+        manifest = finalize_model(ref, staged["staging"], target, overwrite, receipts, hashes.digests())
     cached = [g for g in plan.groups if states[g].name == "Cached"]
     create_markdown_artifact(merge_report(source, plan, receipts, cached, manifest), key="merge-report",
                              description=f"merge of {source['location']}")

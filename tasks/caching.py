@@ -2,7 +2,8 @@
 
 Results are persisted (so a new run of the same promotion reuses finished groups) under
 `CKPTFLOW_RESULTS` or, by default, a hidden folder beside the target. SERIALIZABLE isolation with
-a file lock makes concurrent runs on one checkpoint compute each group once.
+a file lock makes concurrent runs on one checkpoint compute each group once; the lock ends with its
+holder's process, so a killed run never blocks the next (see locks.py).
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import os
 from pathlib import Path
 
 from prefect.cache_policies import CachePolicy
-from prefect.locking.filesystem import FileSystemLockManager
 
 from mergecore.fingerprints import group_key
 
+from .locks import FlockLockManager
 from .sources import prepared_for
 
 
@@ -33,5 +34,5 @@ def merge_group_key(context, parameters: dict) -> str:
 
 
 def group_cache_policy(target: str) -> CachePolicy:
-    locks = FileSystemLockManager(lock_files_directory=results_folder(target) / "locks")
+    locks = FlockLockManager(lock_files_directory=results_folder(target) / "locks")
     return CachePolicy.from_cache_key_fn(merge_group_key).configure(isolation_level="SERIALIZABLE", lock_manager=locks)

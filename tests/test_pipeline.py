@@ -196,3 +196,45 @@ def test_promote_command(prefect_server, cli, demo, demo_copy, tmp_path):
     result = cli("promote", broken.run_root, "--target", tmp_path / "broken")
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "hidden_size" in result.stderr
     assert not (tmp_path / "broken").exists()
+
+
+KILLED_DURING = """
+import os, signal, sys
+from mergecore.writer import TensorWriter
+from flows.run import run_promotion
+
+write = TensorWriter.write
+def die_in(self, planned, tensor):
+    if planned.group == sys.argv[3]:
+        os.kill(os.getpid(), signal.SIGKILL)  # no handler, no cleanup: an OOM kill or a lost node
+    return write(self, planned, tensor)
+TensorWriter.write = die_in
+run_promotion(checkpoint=sys.argv[1], target=sys.argv[2])
+"""
+
+
+def test_a_killed_promotion_leaves_nothing_that_blocks_the_next(prefect_server, demo, tmp_path):
+    """kill -9 while groups are being merged: the next run must not wait on the dead run's group locks."""
+    import subprocess
+    import sys
+
+    from prefect.settings import PREFECT_API_URL
+
+    ckpt, target = demo("fsdp2-w2"), tmp_path / "model"
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    run = lambda group: subprocess.run([sys.executable, "-c", KILLED_DURING, str(ckpt.run_root), str(target), group],  # noqa: E731
+                                       env=env, capture_output=True, text=True, timeout=240)
+    killed = run("layers.1")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not target.exists()
+
+    resumed = run("none")  # a stale lock would make this wait until the timeout
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    states = merge_group_states()[-1]
+    assert states["layers.1"] == states["head"] == "Completed"
+    assert "Cached" in states.values() and set(states.values()) <= {"Cached", "Completed"}
+    uninterrupted = tmp_path / "direct"
+    merge_checkpoint(str(ckpt.role_dir), uninterrupted)
+    for path in uninterrupted.iterdir():
+        if path.name != "ckptflow_manifest.json":
+            assert (target / path.name).read_bytes() == path.read_bytes(), path.name

@@ -1,0 +1,138 @@
+"""Group locks that end with their holder: an flock on one file per cache key.
+
+Prefect's FileSystemLockManager marks a held lock by a file its holder deletes on release. A run
+that is killed (out of memory, a preempted node, kill -9) never deletes it, so every later run
+waits on that group for ever. The kernel drops an flock when its process ends: the next run
+simply recomputes the groups a killed run left unfinished.
+
+    locks = FlockLockManager(Path("results/locks"))
+    assert locks.acquire_lock("group-key", holder="run-1")
+    locks.release_lock("group-key", holder="run-1")
+
+flock works between threads of one process too (each acquire opens the file anew), and on
+shared file systems that support it (NFSv4, Lustre with flock enabled).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from pathlib import Path
+
+import anyio
+from prefect.locking.protocol import LockManager
+
+POLL_SECONDS = 0.05
+
+
+class FlockLockManager(LockManager):
+    """A LockManager (prefect.locking.protocol) over flock; `hold_timeout` is not needed: a holder
+    keeps its lock while it lives and loses it when its process ends."""
+
+    def __init__(self, lock_files_directory: Path):
+        self.lock_files_directory = Path(lock_files_directory).expanduser().absolute()
+        self._held: dict[str, tuple[str, int]] = {}  # key -> (holder, file descriptor)
+        self._guard = threading.Lock()
+
+    def __getstate__(self) -> dict:  # sent to Dask/Ray workers: held descriptors stay here
+        return {"lock_files_directory": self.lock_files_directory}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["lock_files_directory"])
+
+    def acquire_lock(self, key: str, holder: str, acquire_timeout: float | None = None,
+                     hold_timeout: float | None = None) -> bool:
+        deadline = None if acquire_timeout is None else time.monotonic() + acquire_timeout
+        while not self._try_acquire(key, holder):
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_SECONDS)
+        return True
+
+    async def aacquire_lock(self, key: str, holder: str, acquire_timeout: float | None = None,
+                            hold_timeout: float | None = None) -> bool:
+        deadline = None if acquire_timeout is None else time.monotonic() + acquire_timeout
+        while not self._try_acquire(key, holder):
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            await anyio.sleep(POLL_SECONDS)
+        return True
+
+    def release_lock(self, key: str, holder: str) -> None:
+        with self._guard:
+            if not self.is_lock_holder(key, holder):
+                raise ValueError(f"No lock held by {holder} for transaction with key {key}")
+            _, descriptor = self._held.pop(key)
+        self._remove_and_unlock(key, descriptor)
+
+    def is_locked(self, key: str) -> bool:
+        if key in self._held:
+            return True
+        descriptor = self._lock_file(key)
+        if descriptor is None:
+            return True
+        self._remove_and_unlock(key, descriptor)
+        return False
+
+    def is_lock_holder(self, key: str, holder: str) -> bool:
+        held = self._held.get(key)
+        return held is not None and held[0] == holder
+
+    def wait_for_lock(self, key: str, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.is_locked(key):
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_SECONDS)
+        return True
+
+    async def await_for_lock(self, key: str, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.is_locked(key):
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            await anyio.sleep(POLL_SECONDS)
+        return True
+
+    def _try_acquire(self, key: str, holder: str) -> bool:
+        with self._guard:
+            if self.is_lock_holder(key, holder):
+                return True
+        descriptor = self._lock_file(key)
+        if descriptor is None:
+            return False
+        with self._guard:
+            self._held[key] = (holder, descriptor)
+        return True
+
+    def _path(self, key: str) -> Path:
+        return self.lock_files_directory / f"{key}.lock"
+
+    def _lock_file(self, key: str) -> int | None:
+        """A descriptor holding `key`'s flock, or None while someone else holds it."""
+        self.lock_files_directory.mkdir(parents=True, exist_ok=True)
+        path = self._path(key)
+        while True:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(descriptor)
+                return None
+            if _same_file(descriptor, path):  # else its last holder removed it after we opened it
+                return descriptor
+            os.close(descriptor)
+
+    def _remove_and_unlock(self, key: str, descriptor: int) -> None:
+        """Remove the file while still holding it (no litter), then let go."""
+        self._path(key).unlink(missing_ok=True)
+        os.close(descriptor)
+
+
+def _same_file(descriptor: int, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(descriptor).st_ino
+    except FileNotFoundError:
+        return False
