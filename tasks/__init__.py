@@ -1,4 +1,8 @@
-"""Prefect tasks: each a thin wrapper around one mergecore call, with retries and cache policies."""
+"""Prefect tasks: each a thin wrapper around one mergecore call, with retries and cache policies.
+
+Only merge_group is cached (per group, across runs); the others look at files and run every time,
+so they carry NO_CACHE rather than Prefect's default key (which hashes their inputs and source).
+"""
 
 from .checkpoint import discover_shards, plan_groups, prepare_staging, validate_metadata
 from .hub import push_to_hub

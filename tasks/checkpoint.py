@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from mergecore import MergePlan, staging_folder
 from mergecore.fingerprints import input_fingerprints
@@ -11,14 +12,14 @@ from mergecore.writer import prepare_files
 from .sources import CheckpointRef, prepared_for, source_for
 
 
-@task(name="discover_shards")
+@task(name="discover_shards", cache_policy=NO_CACHE)
 def discover_shards(ref: CheckpointRef) -> dict:
     """Find the rank files, world size, mesh and huggingface/ folder behind a path or URL."""
     source = source_for(ref)
     return {**source.describe(), "fingerprints": input_fingerprints(source)}
 
 
-@task(name="validate_metadata")
+@task(name="validate_metadata", cache_policy=NO_CACHE)
 def validate_metadata(ref: CheckpointRef) -> dict:
     """All ranks present and consistent, shapes agree with config.json. Fails the run on bad input."""
     prepared = prepared_for(ref)
@@ -26,13 +27,13 @@ def validate_metadata(ref: CheckpointRef) -> dict:
             "architectures": prepared.config.get("architectures")}
 
 
-@task(name="plan_groups")
+@task(name="plan_groups", cache_policy=NO_CACHE)
 def plan_groups(ref: CheckpointRef) -> MergePlan:
     """Layer groups packed into output files; every header fixed before any data is read."""
     return prepared_for(ref).plan
 
 
-@task(name="prepare_staging")
+@task(name="prepare_staging", cache_policy=NO_CACHE)
 def prepare_staging(plan: MergePlan, target: str) -> dict:
     """Pre-size the output files beside the target; files kept from an interrupted run are reused."""
     staging = staging_folder(target)

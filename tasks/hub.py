@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from mergecore.hub import CARD_FILE, model_card, push_folder
 
@@ -19,7 +20,7 @@ def hub_token(secret_block: str | None) -> str | None:
     return Secret.load(secret_block).get()
 
 
-@task(name="push_to_hub", retries=1, retry_delay_seconds=5)
+@task(name="push_to_hub", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
 def push_to_hub(target: str, manifest: dict, checks: list[dict], repo_id: str, revision: str | None = None,
                 private: bool = True, tag: str | None = None, token_secret: str | None = None) -> dict:
     """Write the model card, push the folder to `repo_id`@`revision`, and check the remote equals it."""

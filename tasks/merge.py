@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from mergecore import CheckpointError, MergePlan
 from mergecore import finalize as finalize_folder
@@ -38,7 +39,7 @@ def merge_group(ref: CheckpointRef, plan: MergePlan, group: str, staging: str, w
     return merge_one_group(prepared_for(ref).source, plan, group, Path(staging), workers)
 
 
-@task(name="finalize_model")
+@task(name="finalize_model", cache_policy=NO_CACHE)
 def finalize_model(ref: CheckpointRef, staging: str, target: str, overwrite: bool, receipts: list[dict],
                    digests: dict[str, str] | None = None) -> dict:
     """Round-trip check against the shards, index/config/tokenizer/manifest, atomic publish.

@@ -1,7 +1,8 @@
 """One opened checkpoint per process, shared by the tasks that run there.
 
 Opening mmaps every rank file and reads their metadata; tasks of the same run (threads, or one
-Dask worker) reuse it. The key holds the input files' fingerprints, so a changed file reopens.
+Dask worker) reuse it. The key holds the input files' fingerprints, taken once per flow run, so a
+file changed since the last run reopens. (Each group's cache key stats its own files afresh.)
 """
 
 from __future__ import annotations
@@ -39,7 +40,20 @@ def _prepared(ref: CheckpointRef, fingerprints: str) -> Prepared:
 
 
 def _fingerprints(ref: CheckpointRef) -> str:
-    """Listing the folder and stat-ing the input files: cheap, and it changes when any input does."""
+    """Listing the folder and stat-ing the input files: once per flow run, as every task needs them."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    task_run, flow_run = TaskRunContext.get(), FlowRunContext.get()
+    run_id = task_run.task_run.flow_run_id if task_run else flow_run.flow_run.id if flow_run and flow_run.flow_run else None
+    return _fingerprints_in_run(ref, run_id) if run_id else _listed_and_stated(ref)
+
+
+@lru_cache(maxsize=8)
+def _fingerprints_in_run(ref: CheckpointRef, run_id) -> str:
+    return _listed_and_stated(ref)
+
+
+def _listed_and_stated(ref: CheckpointRef) -> str:
     from mergecore.fingerprints import digest, input_fingerprints
 
     return digest(input_fingerprints(open_checkpoint(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.custom_mapping)))

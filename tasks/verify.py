@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from mergecore import compare_logits, compare_with_reference, verify_manifest
 
 
-@task(name="run_equivalence_tests")
+@task(name="run_equivalence_tests", cache_policy=NO_CACHE)
 def run_equivalence_tests(target: str, manifest: dict, reference: str | None = None,
                           trust_remote_code: bool = False) -> list[dict]:
     """With a reference: every tensor and the logits. The round-trip ran before publishing.
