@@ -44,21 +44,11 @@ class FlockLockManager(LockManager):
 
     def acquire_lock(self, key: str, holder: str, acquire_timeout: float | None = None,
                      hold_timeout: float | None = None) -> bool:
-        deadline = None if acquire_timeout is None else time.monotonic() + acquire_timeout
-        while not self._try_acquire(key, holder):
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(POLL_SECONDS)
-        return True
+        return _poll(lambda: self._try_acquire(key, holder), acquire_timeout)
 
     async def aacquire_lock(self, key: str, holder: str, acquire_timeout: float | None = None,
                             hold_timeout: float | None = None) -> bool:
-        deadline = None if acquire_timeout is None else time.monotonic() + acquire_timeout
-        while not self._try_acquire(key, holder):
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            await anyio.sleep(POLL_SECONDS)
-        return True
+        return await _apoll(lambda: self._try_acquire(key, holder), acquire_timeout)
 
     def release_lock(self, key: str, holder: str) -> None:
         with self._guard:
@@ -81,20 +71,10 @@ class FlockLockManager(LockManager):
         return held is not None and held[0] == holder
 
     def wait_for_lock(self, key: str, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.is_locked(key):
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(POLL_SECONDS)
-        return True
+        return _poll(lambda: not self.is_locked(key), timeout)
 
     async def await_for_lock(self, key: str, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.is_locked(key):
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            await anyio.sleep(POLL_SECONDS)
-        return True
+        return await _apoll(lambda: not self.is_locked(key), timeout)
 
     def _try_acquire(self, key: str, holder: str) -> bool:
         with self._guard:
@@ -136,3 +116,22 @@ def _same_file(descriptor: int, path: Path) -> bool:
         return os.stat(path).st_ino == os.fstat(descriptor).st_ino
     except FileNotFoundError:
         return False
+
+
+def _poll(done, timeout: float | None) -> bool:
+    """Check `done()` every POLL_SECONDS until it is true (True) or `timeout` has passed (False)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not done():
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_SECONDS)
+    return True
+
+
+async def _apoll(done, timeout: float | None) -> bool:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not done():
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        await anyio.sleep(POLL_SECONDS)
+    return True
