@@ -42,18 +42,11 @@ def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False) -
     rewritten = {g for g in plan.groups if any(t.file in staged["created"] for t in plan.in_group(g))}
     futures = {merge.with_options(refresh_cache=group in rewritten).submit(ref, plan_as_is, group, staged["staging"]):
                group for group in plan.groups}
-    hashes = BackgroundHashes(Path(staged["staging"]))  # sha256 of each file as far as it is written
     writing = Path(staged["staging"]).exists()  # not when the target already holds this merge
-    states = {}
-    with GroupProgress(len(futures), f"groups merged into {target}") as progress:
-        for future in as_completed(list(futures)):
-            future.wait()
-            states[futures[future]] = future.state
-            if writing:
-                hashes.start_written(plan, {g for g, state in states.items() if state.is_completed()})
-            progress.advance()
-        receipts = [states[g].result() for g in plan.groups]  # raises the first failure, after all groups ran
-        manifest = finalize_model(ref, staged["staging"], target, overwrite, receipts, hashes.digests())
+    with GroupProgress(len(futures), f"groups merged into {target}") as progress, \
+            BackgroundHashes(Path(staged["staging"])) as hashes:  # sha256 of each file as far as it is written
+        states, receipts = finished_groups(futures, plan, progress, hashes if writing else None)
+        manifest = finalize_model(ref, staged["staging"], target, overwrite, receipts, hashes)
     cached = [g for g in plan.groups if states[g].name == "Cached"]
     create_markdown_artifact(merge_report(source, plan, receipts, cached, manifest), key="merge-report",
                              description=f"merge of {source['location']}")
@@ -90,6 +83,24 @@ def promote_checkpoint(
         create_link_artifact(pushed["url"], link_text=f"{hub_repo}@{pushed['revision']}", key="hub-revision")
         result["hub"] = pushed
     return result
+
+
+def finished_groups(futures: dict, plan, progress: GroupProgress, hashes: BackgroundHashes | None):
+    """{group: final state} and the receipts in plan order, gathered as groups finish; raises the
+    first failure once every group has run. Meanwhile written files are hashed as far as they are done."""
+    states, receipts = {}, {}
+    for future in as_completed(list(futures)):
+        future.wait()
+        group = futures[future]
+        states[group] = future.state
+        receipts[group] = future.state.result(raise_on_failure=False)  # while other groups still run
+        if hashes:
+            hashes.start_written(plan, {g for g, state in states.items() if state.is_completed()})
+        progress.advance()
+    for group in plan.groups:
+        if not states[group].is_completed():
+            states[group].result()
+    return states, [receipts[g] for g in plan.groups]
 
 
 def already_published(ref: CheckpointRef, target: str, overwrite: bool) -> bool:

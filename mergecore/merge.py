@@ -257,18 +257,18 @@ def merge_checkpoint(
     from .output import BackgroundHashes
 
     plan = prepared.plan
-    hashes = BackgroundHashes(staging)
     try:
-        prepare_files(plan, staging)
-        receipts = []
-        for group in plan.groups:
-            receipts.append(merge_group(prepared.source, plan, group, staging, workers, on_tensor))
-            hashes.start_written(plan, {r["group"] for r in receipts})  # files hash as far as they are written
-            if on_group:
-                on_group(group, receipts[-1])
-        clock.lap("merge")
-        extra = {"groups_written": receipts, "timings": clock.laps}
-        return finalize(prepared, staging, target_path, overwrite, verify, workers, extra, hashes)
+        with BackgroundHashes(staging) as hashes:
+            prepare_files(plan, staging)
+            receipts = []
+            for group in plan.groups:
+                receipts.append(merge_group(prepared.source, plan, group, staging, workers, on_tensor))
+                hashes.start_written(plan, {r["group"] for r in receipts})  # files hash as far as they are written
+                if on_group:
+                    on_group(group, receipts[-1])
+            clock.lap("merge")
+            extra = {"groups_written": receipts, "timings": clock.laps}
+            return finalize(prepared, staging, target_path, overwrite, verify, workers, extra, hashes)
     except BaseException:
         import shutil
 

@@ -68,6 +68,9 @@ class BackgroundHashes:
 
     >>> hashes = BackgroundHashes(folder); hashes.start(["model-00001-of-00002.safetensors"])  # doctest: +SKIP
     >>> hashes.digests()                                                                  # doctest: +SKIP
+
+    As a context manager it stops its thread on the way out, with whatever work is left abandoned
+    (a failed merge, or nothing was ever asked of it).
     """
 
     _CHUNK = 4 << 20
@@ -115,6 +118,19 @@ class BackgroundHashes:
         if self._error is not None:
             raise self._error
         return dict(self._done)
+
+    def abandon(self) -> None:
+        """End the thread after its current read, leaving the rest unhashed."""
+        with self._wake:
+            self._goal.clear()
+            self._closing = True
+            self._wake.notify()
+
+    def __enter__(self) -> BackgroundHashes:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.abandon()
 
     def _next(self):
         """A (file, goal) with bytes left to hash, or None."""

@@ -13,6 +13,7 @@ from mergecore import CheckpointError, MergePlan
 from mergecore import finalize as finalize_folder
 from mergecore import merge_group as merge_one_group
 from mergecore.merge import refresh_published
+from mergecore.output import BackgroundHashes
 
 from .caching import results_folder
 from .sources import CheckpointRef, prepared_for
@@ -41,10 +42,11 @@ def merge_group(ref: CheckpointRef, plan: MergePlan, group: str, staging: str, w
 
 @task(name="finalize_model", cache_policy=NO_CACHE)
 def finalize_model(ref: CheckpointRef, staging: str, target: str, overwrite: bool, receipts: list[dict],
-                   digests: dict[str, str] | None = None) -> dict:
+                   hashes: BackgroundHashes | None = None) -> dict:
     """Round-trip check against the shards, index/config/tokenizer/manifest, atomic publish.
 
-    `digests`: sha256 of weight files already hashed (while later groups merged). On a rerun whose
+    `hashes`: the flow's hasher of the weight files, already through the groups merged so far; it
+    finishes while the round-trip check runs. On a rerun whose
     weights are already published (no staging folder), only changed metadata is redone.
     """
     prepared = prepared_for(ref)
@@ -52,7 +54,7 @@ def finalize_model(ref: CheckpointRef, staging: str, target: str, overwrite: boo
         if not Path(staging).exists():
             return refresh_published(prepared, Path(target))
         return finalize_folder(prepared, Path(staging), Path(target), overwrite, extra={"groups_written": receipts},
-                               digests=digests)
+                               hashes=hashes)
 
 
 @contextmanager
