@@ -121,3 +121,20 @@ def test_file_hashes_follow_the_groups_as_they_are_written(demo, tmp_path, order
         written.add(group)
         hashes.start_written(plan, written)
     assert hashes.digests() == {file: sha256_file(tmp_path / file) for file in plan.files}
+
+
+def test_an_abandoned_hasher_stops_its_thread(tmp_path):
+    """A failed merge (or a rerun with nothing to write) must not leave a hashing thread waiting for ever."""
+    from mergecore.output import BackgroundHashes
+
+    (tmp_path / "a.safetensors").write_bytes(b"x" * 1000)
+    with pytest.raises(RuntimeError, match="merge failed"):
+        with BackgroundHashes(tmp_path) as hashes:
+            hashes.start(["a.safetensors"])
+            raise RuntimeError("merge failed")
+    hashes._thread.join(timeout=10)
+    assert not hashes._thread.is_alive()
+    with BackgroundHashes(tmp_path) as idle:
+        pass
+    idle._thread.join(timeout=10)
+    assert not idle._thread.is_alive()
