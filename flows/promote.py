@@ -40,8 +40,9 @@ def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False) -
 
     merge = merge_group.with_options(cache_policy=group_cache_policy(target), result_storage=results_folder(target))
     rewritten = {g for g in plan.groups if any(t.file in staged["created"] for t in plan.in_group(g))}
+    largest_first = sorted(plan.groups, key=lambda g: -sum(t.end - t.begin for t in plan.in_group(g)))  # no lone big tail
     futures = {merge.with_options(refresh_cache=group in rewritten).submit(ref, plan_as_is, group, staged["staging"]):
-               group for group in plan.groups}
+               group for group in largest_first}
     writing = Path(staged["staging"]).exists()  # not when the target already holds this merge
     with GroupProgress(len(futures), f"groups merged into {target}") as progress, \
             BackgroundHashes(Path(staged["staging"])) as hashes:  # sha256 of each file as far as it is written

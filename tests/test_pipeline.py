@@ -231,7 +231,7 @@ def test_a_killed_promotion_leaves_nothing_that_blocks_the_next(prefect_server, 
     resumed = run("none")  # a stale lock would make this wait until the timeout
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     states = merge_group_states()[-1]
-    assert states["layers.1"] == states["head"] == "Completed"
+    assert states["layers.1"] == "Completed"  # killed while it was being written
     assert "Cached" in states.values() and set(states.values()) <= {"Cached", "Completed"}
     uninterrupted = tmp_path / "direct"
     merge_checkpoint(str(ckpt.role_dir), uninterrupted)
