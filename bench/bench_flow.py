@@ -148,6 +148,7 @@ def main() -> None:
         beyond = max(0.0, med["rerun"] - fixed)
         print(f"  rerun beyond fixed cost: {beyond:.2f} s = {100 * beyond / med['bare']:.0f}% of a cold merge (goal <= 5%)")
         print(f"  same DAG, no-op tasks        {med['shape']:6.2f} s   ({groups} groups: Prefect's cost of this DAG's runs, tasks, artifacts)")
+        print(f"  cold run beyond that DAG: {med['cold'] - med['shape']:.2f} s = {(med['cold'] - med['shape']) / med['bare']:.2f}x bare (ckptflow's own cold work)")
         beyond = max(0.0, med["rerun"] - med["shape"])
         print(f"  rerun beyond that DAG: {beyond:.2f} s = {100 * beyond / med['bare']:.0f}% of a cold merge (ckptflow's own rerun work)")
     finally:
