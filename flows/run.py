@@ -12,15 +12,20 @@ from mergecore import CheckpointError, VerificationError
 def in_process_settings():
     """Prefect settings for flows run in this process (CLI, tests, benchmarks).
 
-    Flow-run heartbeats exist so a server can spot crashed runs of workers; in-process they only
-    cost time: Prefect 3.9 joins the heartbeat thread at the end of every flow run, about 1 s each.
-    Building a Settings object costs ~50 ms, so the quiet copy is made once per current settings.
+    Flow-run heartbeats let a server spot crashed runs, but only with an automation watching for
+    them, and Prefect 3.9 joins the heartbeat thread at the end of every flow run (up to 1 s each).
+    So they are off unless PREFECT_FLOWS_HEARTBEAT_FREQUENCY is set (env or profile): the setting
+    of someone who wants a killed CLI run marked Crashed. Building a Settings object costs ~50 ms,
+    so the quiet copy is made once per current settings.
     """
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no network here
     from prefect.context import SettingsContext, get_settings_context
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 
     current = get_settings_context()
+    if "heartbeat_frequency" in current.settings.flows.model_fields_set:
+        yield
+        return
     key = id(current.settings)  # the entry keeps that object alive, so its id is not reused
     if key not in _QUIET:
         if len(_QUIET) > 8:

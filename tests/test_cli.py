@@ -127,3 +127,14 @@ def test_fsdp_merge_and_verify_never_import_torch(demo, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "round-trip ok" in done.stdout
     assert "torch imported: []" in done.stdout
+
+
+def test_flow_heartbeats_are_off_in_process_unless_asked_for():
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
+
+    from flows.run import in_process_settings
+
+    with in_process_settings():
+        assert get_current_settings().flows.heartbeat_frequency is None
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 60}), in_process_settings():
+        assert get_current_settings().flows.heartbeat_frequency == 60
