@@ -40,7 +40,7 @@ def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False) -
 
     merge = merge_group.with_options(cache_policy=group_cache_policy(target), result_storage=results_folder(target))
     rewritten = {g for g in plan.groups if any(t.file in staged["created"] for t in plan.in_group(g))}
-    largest_first = sorted(plan.groups, key=lambda g: -sum(t.end - t.begin for t in plan.in_group(g)))  # no lone big tail
+    largest_first = sorted(plan.groups, key=lambda g: -sum(t.end - t.begin for t in plan.in_group(g)))  # no big tail
     futures = {merge.with_options(refresh_cache=group in rewritten).submit(ref, plan_as_is, group, staged["staging"]):
                group for group in largest_first}
     writing = Path(staged["staging"]).exists()  # not when the target already holds this merge

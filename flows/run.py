@@ -30,7 +30,8 @@ def in_process_settings():
     if key not in _QUIET:
         if len(_QUIET) > 8:
             _QUIET.clear()
-        _QUIET[key] = (current.settings, current.settings.copy_with_update(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}))
+        quiet = current.settings.copy_with_update(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+        _QUIET[key] = (current.settings, quiet)
     with SettingsContext(profile=current.profile, settings=_QUIET[key][1]):
         yield
 

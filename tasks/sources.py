@@ -41,11 +41,17 @@ def _prepared(ref: CheckpointRef, fingerprints: str) -> Prepared:
 
 def _fingerprints(ref: CheckpointRef) -> str:
     """Listing the folder and stat-ing the input files: once per flow run, as every task needs them."""
+    run_id = _flow_run_id()
+    return _fingerprints_in_run(ref, run_id) if run_id else _listed_and_stated(ref)
+
+
+def _flow_run_id():
     from prefect.context import FlowRunContext, TaskRunContext
 
-    task_run, flow_run = TaskRunContext.get(), FlowRunContext.get()
-    run_id = task_run.task_run.flow_run_id if task_run else flow_run.flow_run.id if flow_run and flow_run.flow_run else None
-    return _fingerprints_in_run(ref, run_id) if run_id else _listed_and_stated(ref)
+    if task_run := TaskRunContext.get():
+        return task_run.task_run.flow_run_id
+    flow_run = FlowRunContext.get()
+    return flow_run.flow_run.id if flow_run and flow_run.flow_run else None
 
 
 @lru_cache(maxsize=8)
