@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from .arrays import element_size
 from .formats import open_checkpoint
 from .layout import group_of

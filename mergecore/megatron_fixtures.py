@@ -198,7 +198,6 @@ def write_megatron_checkpoint(
     (`{"model0": ..., "model1": ..., "args": Namespace, "checkpoint_version": 3.0, "iteration": step}`;
     with a single stage `{"model": state dict}`).
     """
-
     out_dir = Path(out_dir)
     value_model = arch == "critic"
     role = role or ("critic" if value_model else "actor")

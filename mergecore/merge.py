@@ -167,7 +167,6 @@ def finalize(
     workers: int = 2,
     extra: dict | None = None,
     hashes=None,
-    digests: dict[str, str] | None = None,
 ) -> dict:
     """Prove the staging folder equals the shards, write index/config/tokenizer/manifest, publish.
 
@@ -178,16 +177,15 @@ def finalize(
     from .verify import verify_round_trip
 
     clock = Stopwatch()
-    known = dict(digests or {})  # sha256 of weight files hashed while later groups were merging
-    hashes = hashes or BackgroundHashes(staging)
-    hashes.start([file for file in prepared.plan.files if file not in known])  # overlaps with the round-trip check
+    hashes = hashes or BackgroundHashes(staging)  # may already be through the groups merged so far
+    hashes.start(prepared.plan.files)  # finishes while the round-trip check runs
     checks = [verify_round_trip(prepared.source, staging, prepared.plan.aliases, workers)] if verify else []
     clock.lap("verify")
     extra = dict(extra or {})
     extra["timings"] = {**extra.get("timings", {}), **clock.laps}
     extra.update(weights_id=weights_id(prepared.source, prepared.plan),
                  metadata_id=metadata_id(prepared.source, prepared.config), verification=checks)
-    manifest = write_metadata(prepared.source, prepared.config, prepared.plan, staging, extra, {**known, **hashes.digests()})
+    manifest = write_metadata(prepared.source, prepared.config, prepared.plan, staging, extra, hashes.digests())
     publish(staging, target, overwrite)
     return manifest
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .arrays import bitwise_equal, from_safetensors_dtype, numpy_dtype, to_numpy
+from .arrays import from_safetensors_dtype, numpy_dtype, to_numpy
 from .errors import CheckpointError
 
-__all__ = ["HfWeights", "SafetensorsFile", "bitwise_equal", "read_json"]
+__all__ = ["HfWeights", "SafetensorsFile", "read_json"]
 
 
 class SafetensorsFile:

@@ -46,8 +46,8 @@ def finalize_model(ref: CheckpointRef, staging: str, target: str, overwrite: boo
     """Round-trip check against the shards, index/config/tokenizer/manifest, atomic publish.
 
     `hashes`: the flow's hasher of the weight files, already through the groups merged so far; it
-    finishes while the round-trip check runs. On a rerun whose
-    weights are already published (no staging folder), only changed metadata is redone.
+    finishes while the round-trip check runs. On a rerun whose weights are already published (no
+    staging folder), only changed metadata is redone.
     """
     prepared = prepared_for(ref)
     with exclusive(results_folder(target) / "finalize.lock"):  # concurrent runs publish one at a time

@@ -86,7 +86,6 @@ def test_truncated_and_foreign_files_are_one_line_errors(tmp_path):
     (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"^cut.pt: cannot be read .*copy it again"):
         load_rank_file(str(tmp_path / "cut.pt"), "cut.pt")
-    (tmp_path / "list.pt").write_bytes(b"")
     torch.save([torch.ones(1)], tmp_path / "list.pt")
     with pytest.raises(CheckpointError, match=r"^list.pt: holds a list, not a state dict"):
         load_rank_file(str(tmp_path / "list.pt"), "list.pt")

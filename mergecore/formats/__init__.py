@@ -87,8 +87,7 @@ def open_checkpoint(
         test = entry[0]
         if test(names, folder):
             options = {"custom_mapping": custom_mapping} if custom_mapping else {}
-            reader = reader_class(name)
             if options and name == "fsdp":
                 raise CheckpointError(f"{folder}: --custom-mapping applies to Megatron checkpoints; FSDP keeps HF names")
-            return reader(folder, Location.of(hf_dir) if hf_dir else None, step=step, **options)
+            return reader_class(name)(folder, Location.of(hf_dir) if hf_dir else None, step=step, **options)
     raise CheckpointError(f"{folder}: is not a {backend} checkpoint; try --backend auto")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import io
+import itertools
 import json
 import pathlib
 import pickle
@@ -214,9 +215,7 @@ class MegatronDistCheckpoint(CheckpointSource):
 
         keys = {}
         for key, md in self.metadata.state_dict_metadata.items():
-            name = key
-            while name.startswith("module."):
-                name = name[len("module."):]
+            name = _model_key(key)
             if not name.startswith(MODEL_PREFIXES) or "._extra_state" in name or SKIPPED.search(name):
                 continue
             if not isinstance(md, TensorStorageMetadata):
@@ -228,9 +227,7 @@ class MegatronDistCheckpoint(CheckpointSource):
     def _slices(self) -> list[Slice]:
         slices = []
         for position, (key, md) in enumerate(self._tensor_keys.items()):
-            name = key
-            while name.startswith("module."):
-                name = name[len("module."):]
+            name = _model_key(key)
             shape = tuple(int(s) for s in md.size)
             dtype = md.properties.dtype
             stacked, per_layer = _STACKED.match(name), _PER_LAYER.match(name)
@@ -244,7 +241,7 @@ class MegatronDistCheckpoint(CheckpointSource):
                         f"{'layer and expert' if lead == 2 else 'layer' if stacked else 'expert'} axes"
                     )
                 ranges = [range(shape[d]) for d in range(lead)]
-                for index in _product(ranges):
+                for index in itertools.product(*ranges):
                     layer = index[0] if stacked else int(per_layer[1])
                     if expert:
                         e = index[-1]
@@ -453,7 +450,7 @@ class MegatronDistCheckpoint(CheckpointSource):
         layers = config.get("num_hidden_layers")
         for key, md in self._tensor_keys.items():
             shape = tuple(int(s) for s in md.size)
-            if _STACKED.match(key) and isinstance(layers, int) and shape[0] != layers:
+            if _STACKED.match(_model_key(key)) and isinstance(layers, int) and shape[0] != layers:
                 raise CheckpointError(
                     f"{shown}: {key} stacks {shape[0]} decoder layers but num_hidden_layers={layers} in {where}; the "
                     "checkpoint and config.json are from different models (pass --hf_model_path with the right config)"
@@ -507,8 +504,7 @@ class MegatronDistCheckpoint(CheckpointSource):
         return loaded if isinstance(loaded, dict) else {}
 
     def describe(self) -> dict:
-        layered = {s.index[0] if _STACKED.match(s.key) else int(_PER_LAYER.match(s.key)[1])
-                   for s in self._slices if s.key.startswith("decoder.layers.")}
+        layered = {int(s.legacy_key.split(".")[2]) for s in self._slices if s.legacy_key.startswith("decoder.layers.")}
         files = sorted({info.relative_path for chunks in self._chunk_files.values() for _, _, info in chunks})
         iteration = self.common.get("iteration")
         return {
@@ -519,7 +515,7 @@ class MegatronDistCheckpoint(CheckpointSource):
             "world_size": len(files),
             "dist_ckpt": str(self.dist_dir),
             "sharded_backend": self.backend_info.get("sharded_backend"),
-            "stacked_layers": any(_STACKED.match(k) for k in self._tensor_keys),
+            "stacked_layers": any(_STACKED.match(_model_key(k)) for k in self._tensor_keys),
             "layers": len(layered),
             "iteration": iteration if isinstance(iteration, int) else None,
             "files": [f"{self.dist_dir.name}/{f}" for f in files],
@@ -527,10 +523,11 @@ class MegatronDistCheckpoint(CheckpointSource):
         }
 
 
-def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:
-    import itertools
-
-    return itertools.product(*ranges)
+def _model_key(key: str) -> str:
+    """A metadata key without the `module.` prefixes of wrapped models."""
+    while key.startswith("module."):
+        key = key[len("module."):]
+    return key
 
 
 def _hf_order(s: Slice, part: int) -> tuple:
@@ -544,5 +541,5 @@ def _hf_order(s: Slice, part: int) -> tuple:
         group = (2, 0)
     else:
         group = (3, 0)
-    expert = s.index[1:] if _STACKED.match(s.key) else s.index
+    expert = s.index[1:] if _STACKED.match(_model_key(s.key)) else s.index
     return (*group, s.position, tuple(expert), part)
