@@ -23,7 +23,8 @@ out = Console()
 err = Console(stderr=True)
 
 # Options shared by several commands: (default, names..., help)
-BACKEND = typer.Option("auto", "--backend", help="Checkpoint format: auto, fsdp, megatron (legacy mp_rank folders) or megatron_dist.")
+BACKEND = typer.Option("auto", "--backend", help="Checkpoint format: auto, fsdp, megatron (either Megatron layout), "
+                       "megatron_legacy (mp_rank folders) or megatron_dist (dist_ckpt).")
 LOCAL_DIR = typer.Option(..., "--local_dir", "--local-dir", help="Role folder, global_step_N folder or run root (path or fsspec URL).")
 HF_MODEL_PATH = typer.Option(None, "--hf_model_path", "--hf-model-path", help="Folder with config.json when the checkpoint lacks huggingface/.")
 ROLE = typer.Option("actor", "--role", help="actor or critic, when --local_dir is a step folder or run root.")
@@ -31,6 +32,8 @@ DTYPE = typer.Option("auto", "--dtype", help="auto (config.json's dtype), keep, 
 TIE = typer.Option(False, "--tie-word-embedding", "--tie_word_embedding", help="Assert the model ties embeddings (checked against config.json).")
 VALUE_MODEL = typer.Option(False, "--is-value-model", "--is_value_model", help="Assert the checkpoint is a value/critic model (checked against config.json).")
 TRUST_REMOTE_CODE = typer.Option(False, "--trust-remote-code", "--trust_remote_code", help="Allow custom model code when loading for the logits check.")
+ATOL = typer.Option(None, "--atol", help="Absolute tolerance: tensors (default 0, exact) and logits (default 1e-5).")
+RTOL = typer.Option(None, "--rtol", help="Relative tolerance: tensors and logits (default 0).")
 CUSTOM_MAPPING = typer.Option(None, "--custom-mapping", "--custom_mapping", help="JSON/YAML file of extra Megatron -> HF name patterns.")
 CPU_INIT = typer.Option(False, "--use_cpu_initialization", "--use-cpu-initialization", hidden=True, help="Accepted for verl compatibility; ckptflow always merges on CPU.")
 
@@ -45,19 +48,30 @@ def cli_errors(command):
         try:
             return command(*args, **kwargs)
         except CheckpointError as error:
-            err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
-            raise typer.Exit(error.exit_code) from None
+            fail(str(error), error.exit_code)
+        except OSError as error:  # a path that cannot be read or written: name it, no traceback
+            where = f"{error.filename}: " if error.filename else ""
+            fail(f"{where}{error.strerror or error}; check the path and its permissions", 2)
 
     return run
 
 
-def push_merged(folder: Path, manifest: dict, repo_id: str, revision: Optional[str], private: bool,
-                tag: Optional[str] = None, checks: Optional[list] = None) -> dict:
-    """Write the model card and push a merged folder (endpoint and token from HF_ENDPOINT / HF_TOKEN)."""
-    from mergecore.hub import CARD_FILE, model_card, push_folder
+def fail(message: str, exit_code: int) -> None:
+    err.print(f"[bold red]error:[/] {' '.join(message.split())}", highlight=False, soft_wrap=True)
+    raise typer.Exit(exit_code) from None
 
-    config = json.loads((folder / "config.json").read_text())
-    (folder / CARD_FILE).write_text(model_card(manifest, config, checks or manifest.get("verification", [])))
+
+def refuse(message: str) -> None:
+    """A flag that cannot do anything here: refused, so nobody believes it took effect."""
+    from mergecore import CheckpointError
+
+    raise CheckpointError(message)
+
+
+def push_merged(folder: Path, repo_id: str, revision: Optional[str], private: bool, tag: Optional[str] = None) -> dict:
+    """Push a merged folder as published, card and manifest included (endpoint and token from HF_ENDPOINT / HF_TOKEN)."""
+    from mergecore.hub import push_folder
+
     pushed = push_folder(folder, repo_id, revision=revision, private=private, tag=tag)
     change = "new commit" if pushed["new_commit"] else "unchanged, no new commit"
     out.print(f"pushed to {pushed['url']} ({change} {pushed['commit'][:12]}; {pushed['files_checked']} files verified)",
@@ -127,14 +141,15 @@ def merge(
     workers: int = typer.Option(2, "--workers", help="Threads reading, converting and writing tensors."),
     custom_mapping: Optional[str] = CUSTOM_MAPPING,
     hf_upload_path: Optional[str] = typer.Option(None, "--hf_upload_path", "--hf-upload-path", help="Also push to this Hub repo (org/name)."),
-    private: bool = typer.Option(False, "--private", help="With --hf_upload_path: create the repo private."),
+    private: Optional[bool] = typer.Option(None, "--private/--public", help="With --hf_upload_path: visibility of a newly created repo (default private)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="With --hf_upload_path: branch to push to (created if missing)."),
 ):
     """Merge a checkpoint into a verified Hugging Face folder (and optionally push it to the Hub)."""
-    if private and not hf_upload_path:
-        from mergecore import CheckpointError
-
-        raise CheckpointError("--private only applies with --hf_upload_path ORG/NAME")
+    if not hf_upload_path and (private is not None or revision):
+        refuse(f"--{'revision' if revision else 'private' if private else 'public'} only applies with --hf_upload_path ORG/NAME")
+    if trust_remote_code:
+        refuse("--trust-remote-code: merge never loads model code (it reads tensors only); it applies to the logits "
+               "check of `ckptflow test` and `ckptflow verify --logits`: drop it here")
     manifest = run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size,
                          tie_word_embedding, is_value_model, overwrite, not skip_verify, check_replicas, workers,
                          custom_mapping)
@@ -142,7 +157,7 @@ def merge(
     out.print(f"merged {manifest['source']['location']} -> {Path(target_dir).absolute()} "
               f"({len(manifest['files'])} files, dtype {manifest['dtype']}; {checks})", highlight=False, soft_wrap=True)
     if hf_upload_path:
-        push_merged(Path(target_dir), manifest, hf_upload_path, revision, private)
+        push_merged(Path(target_dir), hf_upload_path, revision, private is not False)
 
 
 @app.command("test")
@@ -158,21 +173,23 @@ def test_command(
     is_value_model: bool = VALUE_MODEL,
     trust_remote_code: bool = TRUST_REMOTE_CODE,
     use_cpu_initialization: bool = CPU_INIT,
-    atol: float = typer.Option(0.0, "--atol", help="Absolute tolerance for tensor values (0 = exact)."),
-    rtol: float = typer.Option(0.0, "--rtol", help="Relative tolerance for tensor values (0 = exact)."),
+    atol: Optional[float] = ATOL,
+    rtol: Optional[float] = RTOL,
     logits: bool = typer.Option(True, "--logits/--no-logits", help="Also compare logits on fixed token ids."),
     custom_mapping: Optional[str] = CUSTOM_MAPPING,
 ):
     """Merge into a temporary folder and compare it with a reference model (verl's `test`)."""
-    from mergecore import compare_logits, compare_with_reference
+    from mergecore.verify import reference_checks
+
+    if trust_remote_code and not logits:
+        refuse("--trust-remote-code applies to the logits check, which --no-logits turns off: drop one of them")
 
     with tempfile.TemporaryDirectory(prefix="ckptflow-test-") as scratch:
         target = Path(scratch) / "merged"
-        run_merge(local_dir, target, backend, role, hf_model_path, dtype, "5GB", tie_word_embedding,
-                  is_value_model, False, True, False, 2, custom_mapping)
-        results = [compare_with_reference(target, Path(test_hf_dir), atol, rtol)]
-        if logits:
-            results.append(compare_logits(target, Path(test_hf_dir), trust_remote_code=trust_remote_code))
+        manifest = run_merge(local_dir, target, backend, role, hf_model_path, dtype, "5GB", tie_word_embedding,
+                             is_value_model, False, True, False, 2, custom_mapping)
+        results = manifest["verification"] + reference_checks(target, Path(test_hf_dir), trust_remote_code, logits,
+                                                              atol, rtol)
     print_checks(results)
     out.print(f"test passed: {local_dir} equals {test_hf_dir}", highlight=False, soft_wrap=True)
 
@@ -184,25 +201,32 @@ def verify(
     reference: Optional[Path] = typer.Option(None, "--reference", help="Also compare with this Hugging Face folder."),
     logits: bool = typer.Option(False, "--logits", help="With --reference: also compare logits."),
     skip_source: bool = typer.Option(False, "--skip-source", help="Do not re-read the source checkpoint (hashes only)."),
-    atol: float = typer.Option(0.0, "--atol"),
-    rtol: float = typer.Option(0.0, "--rtol"),
+    atol: Optional[float] = ATOL,
+    rtol: Optional[float] = RTOL,
+    trust_remote_code: bool = TRUST_REMOTE_CODE,
     custom_mapping: Optional[str] = typer.Option(
         None, "--custom-mapping", "--custom_mapping", help="Name patterns for the source (default: the merge's, from its manifest)."),
+    hf_model_path: Optional[str] = typer.Option(
+        None, "--hf_model_path", "--hf-model-path", help="Folder with config.json for the source (default: the merge's, from its manifest)."),
 ):
     """Re-check a merged folder: manifest hashes, round-trip against the source shards, optional reference."""
-    from mergecore import compare_logits, compare_with_reference, open_checkpoint, verify_manifest, verify_round_trip
-    from mergecore.verify import load_manifest
+    from mergecore import open_checkpoint, verify_manifest, verify_round_trip
+    from mergecore.verify import load_manifest, reference_checks
 
+    if not reference and (logits or trust_remote_code or atol is not None or rtol is not None):
+        refuse("--logits, --trust-remote-code, --atol and --rtol apply to the comparison with a reference model: "
+               "add --reference FOLDER")
     results = [verify_manifest(folder)]
     if not skip_source:
         manifest = load_manifest(folder)
-        source = open_checkpoint(manifest["source"]["location"],
-                                 custom_mapping=custom_mapping or manifest["source"].get("custom_mapping"))
+        used = {**manifest["source"].get("options", {})}  # how the merge opened it
+        source = open_checkpoint(manifest["source"]["location"], backend=used.get("backend") or "auto",
+                                 hf_dir=hf_model_path or used.get("hf_dir"),
+                                 custom_mapping=custom_mapping or used.get("custom_mapping")
+                                 or manifest["source"].get("custom_mapping"))
         results.append(verify_round_trip(source, folder, manifest.get("aliases", {})))
     if reference:
-        results.append(compare_with_reference(folder, reference, atol, rtol))
-        if logits:
-            results.append(compare_logits(folder, reference))
+        results += reference_checks(folder, reference, trust_remote_code, logits, atol, rtol)
     print_checks(results)
 
 
@@ -249,7 +273,7 @@ def promote(
     hub_repo: Optional[str] = typer.Option(None, "--hub-repo", help="Push to this Hub repo (org/name)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub branch, e.g. step-1000 (created if missing)."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Also tag the pushed revision."),
-    private: bool = typer.Option(True, "--private/--public", help="Visibility of a newly created Hub repo."),
+    private: bool = typer.Option(True, "--private/--public", help="Visibility of a newly created Hub repo (default private)."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size"),
     role: str = ROLE,
     backend: str = BACKEND,
@@ -257,14 +281,20 @@ def promote(
     hub_token_secret: Optional[str] = typer.Option(None, "--hub-token-secret", help="Prefect Secret block holding the Hub token (default: HF_TOKEN)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a target holding a different merge."),
     custom_mapping: Optional[str] = CUSTOM_MAPPING,
+    trust_remote_code: bool = TRUST_REMOTE_CODE,
 ):
     """Run the Prefect pipeline: merge (cached per group) -> verify -> push to the Hub."""
     from flows.run import run_promotion
 
+    if not hub_repo and (revision or tag or hub_token_secret):
+        refuse("--revision, --tag and --hub-token-secret only apply with --hub-repo ORG/NAME")
+    if trust_remote_code and not reference:
+        refuse("--trust-remote-code applies to the logits check against --reference: add --reference FOLDER")
+
     result = run_promotion(checkpoint=checkpoint, target=target, dtype=dtype, reference=reference, hub_repo=hub_repo,
                            revision=revision, private=private, max_shard_size=max_shard_size, role=role,
                            backend=backend, hf_dir=hf_model_path, tag=tag, hub_token_secret=hub_token_secret,
-                           overwrite=overwrite, custom_mapping=custom_mapping)
+                           overwrite=overwrite, custom_mapping=custom_mapping, trust_remote_code=trust_remote_code)
     print_checks(result["checks"])
     cached = result["cached_groups"]
     out.print(f"verified model: {result['target']}" + (f" ({len(cached)} groups reused from cache)" if cached else ""),

@@ -1,7 +1,8 @@
 """The promotion DAG, top to bottom:
 
 discover_shards -> validate_metadata -> plan_groups -> prepare_staging -> merge_group (mapped)
--> finalize_model -> run_equivalence_tests -> push_to_hub
+-> finalize_model (round-trip, reference tensors and logits, then the atomic publish)
+-> run_equivalence_tests -> push_to_hub
 """
 
 from __future__ import annotations
@@ -27,28 +28,28 @@ from .reports import equivalence_rows, merge_report
 
 
 @flow(name="merge-checkpoint", task_runner=ThreadPoolTaskRunner(max_workers=2))
-def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False) -> dict:
+def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False, reference: str | None = None,
+                     trust_remote_code: bool = False) -> dict:
     """Checkpoint -> verified Hugging Face folder at `target`; groups are cached across runs."""
     source = discover_shards(ref)
     validate_metadata(ref)
     plan = plan_groups(ref)
     plan_as_is = quote(plan)  # not walked for futures: Prefect's walk of a large plan costs ms per task
-    if already_published(ref, target, overwrite):  # a rerun after success: every group is a cache hit
-        staged = {"staging": str(staging_folder(target)), "created": []}
+    if already_published(ref, target, overwrite):  # a rerun after success: the target holds every group
+        staged, futures = {"staging": str(staging_folder(target)), "created": []}, {}
     else:
         staged = prepare_staging(plan_as_is, target)
-
-    merge = merge_group.with_options(cache_policy=group_cache_policy(target), result_storage=results_folder(target))
-    rewritten = {g for g in plan.groups if any(t.file in staged["created"] for t in plan.in_group(g))}
-    largest_first = sorted(plan.groups, key=lambda g: -sum(t.end - t.begin for t in plan.in_group(g)))  # no big tail
-    futures = {merge.with_options(refresh_cache=group in rewritten).submit(ref, plan_as_is, group, staged["staging"]):
-               group for group in largest_first}
-    writing = Path(staged["staging"]).exists()  # not when the target already holds this merge
+        merge = merge_group.with_options(cache_policy=group_cache_policy(target), result_storage=results_folder(target))
+        rewritten = {g for g in plan.groups if any(t.file in staged["created"] for t in plan.in_group(g))}
+        largest_first = sorted(plan.groups, key=lambda g: -sum(t.end - t.begin for t in plan.in_group(g)))  # no big tail
+        futures = {merge.with_options(refresh_cache=group in rewritten).submit(ref, plan_as_is, group, staged["staging"]):
+                   group for group in largest_first}
     with GroupProgress(len(futures), f"groups merged into {target}") as progress, \
             BackgroundHashes(Path(staged["staging"])) as hashes:  # sha256 of each file as far as it is written
-        states, receipts = finished_groups(futures, plan, progress, hashes if writing else None)
-        manifest = finalize_model(ref, staged["staging"], target, overwrite, receipts, hashes)
-    cached = [g for g in plan.groups if states[g].name == "Cached"]
+        states, receipts = finished_groups(futures, plan, progress, hashes)
+        manifest = finalize_model(ref, staged["staging"], target, overwrite, receipts, hashes, reference,
+                                  trust_remote_code)
+    cached = [g for g in plan.groups if not futures or states[g].name == "Cached"]  # reused: all of them
     create_markdown_artifact(merge_report(source, plan, receipts, cached, manifest), key="merge-report",
                              description=f"merge of {source['location']}")
     return {**manifest, "cached_groups": cached}
@@ -75,40 +76,42 @@ def promote_checkpoint(
 ) -> dict:
     """Merge a training checkpoint, prove it equal to what was trained, and publish it to the Hub."""
     ref = CheckpointRef(checkpoint, role, backend, hf_dir, dtype, max_shard_size, custom_mapping=custom_mapping)
-    manifest = merge_checkpoint(ref, target, overwrite)
+    manifest = merge_checkpoint(ref, target, overwrite, reference, trust_remote_code)
     checks = run_equivalence_tests(target, manifest, reference, trust_remote_code)
     create_table_artifact(equivalence_rows(checks), key="equivalence", description="equivalence tests")
     result = {"target": str(Path(target).absolute()), "checks": checks, "cached_groups": manifest["cached_groups"]}
     if hub_repo:
-        pushed = push_to_hub(target, manifest, checks, hub_repo, revision, private, tag, hub_token_secret)
+        pushed = push_to_hub(target, hub_repo, revision, private, tag, hub_token_secret)
         create_link_artifact(pushed["url"], link_text=f"{hub_repo}@{pushed['revision']}", key="hub-revision")
         result["hub"] = pushed
     return result
 
 
-def finished_groups(futures: dict, plan, progress: GroupProgress, hashes: BackgroundHashes | None):
+def finished_groups(futures: dict, plan, progress: GroupProgress, hashes: BackgroundHashes):
     """{group: final state} and the receipts in plan order, gathered as groups finish; raises the
-    first failure once every group has run. Meanwhile written files are hashed as far as they are done."""
+    first failure once every group has run. Meanwhile written files are hashed as far as they are done.
+    No futures (the target already holds this merge): no states, no receipts."""
     states, receipts = {}, {}
     for future in as_completed(list(futures)):
         future.wait()
         group = futures[future]
         states[group] = future.state
         receipts[group] = future.state.result(raise_on_failure=False)  # while other groups still run
-        if hashes:
-            hashes.start_written(plan, {g for g, state in states.items() if state.is_completed()})
+        hashes.start_written(plan, {g for g, state in states.items() if state.is_completed()})
         progress.advance()
-    for group in plan.groups:
-        if not states[group].is_completed():
-            states[group].result()
-    return states, [receipts[g] for g in plan.groups]
+    for state in states.values():
+        if not state.is_completed():
+            state.result()
+    return states, [receipts[g] for g in plan.groups if g in receipts]
 
 
 def already_published(ref: CheckpointRef, target: str, overwrite: bool) -> bool:
     """True when `target` holds this very merge; a different non-empty target needs overwrite."""
     from mergecore.merge import published_manifest
+    from mergecore.publish import repair_target
     from tasks.sources import prepared_for
 
+    repair_target(Path(target).absolute())  # a crash during an earlier publish
     if published_manifest(Path(target), prepared_for(ref)):
         return True
     check_target(target, overwrite)

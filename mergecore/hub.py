@@ -10,35 +10,6 @@ from pathlib import Path
 
 from .errors import CheckpointError, VerificationError
 
-CARD_FILE = "README.md"
-
-
-def model_card(manifest: dict, config: dict, checks: list[dict]) -> str:
-    """README.md for the Hub: YAML metadata, where the weights came from and how they were proven."""
-    source = manifest["source"]
-    base_model = config.get("_name_or_path") or ""
-    tags = ["ckptflow", source["format"], source.get("role") or "actor"]
-    lines = ["---", "library_name: transformers", "tags:"] + [f"- {t}" for t in tags]
-    if base_model and "/" in base_model and not base_model.startswith(("/", ".")):
-        lines.append(f"base_model: {base_model}")
-    lines += ["---", "", f"# {Path(source['location']).name} at step {source.get('step')}", "",
-              "Merged from a distributed training checkpoint and verified by "
-              f"[ckptflow](https://pypi.org/project/ckptflow/) {manifest['ckptflow_version']}.", "",
-              "| | |", "|---|---|",
-              f"| source checkpoint | `{source['location']}` |",
-              f"| step | {source.get('step')} |",
-              f"| format | {source['format']} |",
-              f"| world size | {source.get('world_size')} |",
-              f"| mesh | {source.get('mesh_shape')} |",
-              f"| dtype | {manifest['dtype']} |", "",
-              "## Equivalence checks", "", "| check | result | details |", "|---|---|---|"]
-    for check in checks:
-        if check["check"].startswith("manifest"):  # re-checking local files proves nothing new about the model
-            continue
-        details = ", ".join(f"{k}={v}" for k, v in check.items() if k not in ("check", "ok", "rows"))
-        lines.append(f"| {check['check']} | {'passed' if check['ok'] else 'FAILED'} | {details} |")
-    return "\n".join(lines) + "\n"
-
 
 def push_folder(
     folder: str | Path,

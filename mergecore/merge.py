@@ -10,7 +10,7 @@ import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .arrays import bitwise_equal
@@ -44,6 +44,7 @@ class Prepared:
     source: CheckpointSource
     config: dict
     plan: MergePlan
+    options: dict = field(default_factory=dict)  # how it was opened and planned: recorded, so `verify` reopens alike
 
 
 def check_tied_embeddings(source: CheckpointSource, config: dict, requested: bool | None) -> bool:
@@ -107,7 +108,10 @@ def prepare(
                          allow_unknown=bool(getattr(source, "custom_mapping", None)))
     tied = check_tied_embeddings(source, config, tie_word_embedding)
     plan = make_plan(str(source.location), source.tensors(), resolve_dtype(dtype, config), tied, parse_size(max_shard_size))
-    return Prepared(source, config, plan)
+    options = {"backend": source.backend, "hf_dir": str(source.hf_dir) if hf_dir else None,
+               "custom_mapping": custom_mapping, "dtype": dtype, "max_shard_size": max_shard_size,
+               "tie_word_embedding": tie_word_embedding, "check_replicas": check_replicas}
+    return Prepared(source, config, plan, options)
 
 
 def staging_folder(target: str | Path) -> Path:
@@ -120,10 +124,14 @@ def staging_folder(target: str | Path) -> Path:
 
 
 def check_target(target: str | Path, overwrite: bool) -> Path:
+    """The target as a local path, after repairing what a crash during an earlier publish left there."""
+    from .publish import repair_target
+
     location = Location.of(target)
     if not location.is_local:
         raise CheckpointError(f"--target_dir {target}: must be a local folder (push to the Hub with --hf_upload_path)")
     path = Path(location.url)
+    repair_target(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
         raise CheckpointError(f"{path}: already exists and is not empty; pass --overwrite or choose another --target_dir")
     return path
@@ -167,25 +175,35 @@ def finalize(
     workers: int = 2,
     extra: dict | None = None,
     hashes=None,
+    checks: Callable[[Path], list[dict]] | None = None,
 ) -> dict:
-    """Prove the staging folder equals the shards, write index/config/tokenizer/manifest, publish.
+    """Prove the staging folder equals the shards, write index, config, copied files, card and manifest,
+    and publish atomically. `checks(folder)` adds checks of the finished folder (a reference model's
+    tensors and logits), run before anything is published and recorded in the manifest and card.
 
-    Nothing reaches `target` unless the round-trip check passed (when `verify`).
+    The published folder holds exactly the planned weight files, the index, the copied metadata, the
+    card and the manifest. Nothing reaches `target` unless every check passed (when `verify`).
     """
     from .fingerprints import metadata_id, weights_id
-    from .output import BackgroundHashes, publish, write_metadata
+    from .output import BackgroundHashes, clear_strays, write_descriptive_files, write_manifest
+    from .publish import publish
     from .verify import verify_round_trip
 
+    plan = prepared.plan
     clock = Stopwatch()
+    clear_strays(staging, set(plan.files))
     hashes = hashes or BackgroundHashes(staging)  # may already be through the groups merged so far
-    hashes.start(prepared.plan.files)  # finishes while the round-trip check runs
-    checks = [verify_round_trip(prepared.source, staging, prepared.plan.aliases, workers)] if verify else []
+    hashes.start(plan.files)  # finishes while the round-trip check runs
+    descriptive = write_descriptive_files(prepared.source, prepared.config, plan, staging)
+    results = [verify_round_trip(prepared.source, staging, plan.aliases, workers)] if verify else []
+    results += checks(staging) if checks else []
     clock.lap("verify")
     extra = dict(extra or {})
     extra["timings"] = {**extra.get("timings", {}), **clock.laps}
-    extra.update(weights_id=weights_id(prepared.source, prepared.plan),
-                 metadata_id=metadata_id(prepared.source, prepared.config), verification=checks)
-    manifest = write_metadata(prepared.source, prepared.config, prepared.plan, staging, extra, hashes.digests())
+    extra.update(source={**prepared.source.describe(), "options": prepared.options},
+                 weights_id=weights_id(prepared.source, plan),
+                 metadata_id=metadata_id(prepared.source, prepared.config), verification=results)
+    manifest = write_manifest(prepared.source, prepared.config, plan, staging, descriptive, extra, hashes.digests())
     publish(staging, target, overwrite)
     return manifest
 
@@ -193,20 +211,25 @@ def finalize(
 def published_manifest(target: Path, prepared: Prepared) -> dict | None:
     """The manifest of `target` if its weight files are exactly this merge's (same inputs, plan, code)."""
     from .fingerprints import weights_id
+    from .output import MANIFEST_FILE
+    from .tensorio import read_json
 
-    manifest_file = Path(target) / "ckptflow_manifest.json"
+    manifest_file = Path(target) / MANIFEST_FILE
     if not manifest_file.exists():
         return None
-    manifest = json.loads(manifest_file.read_text())
+    manifest = read_json(manifest_file)
     return manifest if manifest.get("weights_id") == weights_id(prepared.source, prepared.plan) else None
 
 
-def refresh_published(prepared: Prepared, target: Path, verify: bool = True, workers: int = 2) -> dict:
-    """Reuse the weights already published at `target`; rewrite config, tokenizer files and manifest if they changed.
+def refresh_published(prepared: Prepared, target: Path, verify: bool = True, workers: int = 2,
+                      checks: Callable[[Path], list[dict]] | None = None) -> dict:
+    """Reuse the weights already published at `target`; rewrite config, tokenizer files, card and manifest
+    if they changed.
 
     The weight files are hard-linked into a new staging folder (never written), so the swap is atomic.
     """
     import os
+    import shutil
 
     from .fingerprints import metadata_id
 
@@ -216,11 +239,12 @@ def refresh_published(prepared: Prepared, target: Path, verify: bool = True, wor
     if manifest.get("metadata_id") == metadata_id(prepared.source, prepared.config):
         return {**manifest, "reused": True}
     staging = staging_folder(target)
-    staging.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
     for file in prepared.plan.files:
         os.link(Path(target) / file, staging / file)
     return finalize(prepared, staging, Path(target), overwrite=True, verify=verify, workers=workers,
-                    extra={"groups_written": manifest.get("groups_written", [])})
+                    extra={"groups_written": manifest.get("groups_written", [])}, checks=checks)
 
 
 def merge_checkpoint(
@@ -240,6 +264,7 @@ def merge_checkpoint(
     on_group: Callable[[str, dict], None] | None = None,
     on_tensor: Callable[[str], None] | None = None,
     prepared: Prepared | None = None,
+    checks: Callable[[Path], list[dict]] | None = None,
 ) -> dict:
     """Merge a checkpoint into a verified Hugging Face folder at `target`, published atomically.
 
@@ -266,7 +291,7 @@ def merge_checkpoint(
                     on_group(group, receipts[-1])
             clock.lap("merge")
             extra = {"groups_written": receipts, "timings": clock.laps}
-            return finalize(prepared, staging, target_path, overwrite, verify, workers, extra, hashes)
+            return finalize(prepared, staging, target_path, overwrite, verify, workers, extra, hashes, checks)
     except BaseException:
         import shutil
 

@@ -8,17 +8,20 @@ import json
 import os
 import shutil
 import threading
-import uuid
 from importlib import metadata
 from pathlib import Path
 
 from .arrays import FLOATING
+from .card import CARD_FILE, model_card
+from .errors import VerificationError
 from .formats import CheckpointSource
 from .plan import INDEX_FILE, MergePlan
 
 MANIFEST_FILE = "ckptflow_manifest.json"
-# Weight files in huggingface/ describe the base model, not the trained one: never copied.
+# Weight files in huggingface/ describe the base model, not the trained one: never copied. Nor is its model
+# card: the folder gets its own (card.py).
 _NOT_COPIED = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".msgpack", ".h5")
+_NOT_COPIED_NAMES = ("config.json", CARD_FILE, MANIFEST_FILE)
 
 
 def ckptflow_version() -> str:
@@ -53,7 +56,7 @@ def copy_hf_files(source: CheckpointSource, folder: Path) -> list[str]:
     hf_dir = source.hf_dir
     for name in hf_dir.listdir():
         entry = hf_dir.join(name)
-        if name == "config.json" or name.endswith(_NOT_COPIED) or entry.isdir():
+        if name in _NOT_COPIED_NAMES or name.endswith(_NOT_COPIED) or entry.isdir():
             continue
         with entry.open("rb") as src, open(folder / name, "wb") as dst:
             shutil.copyfileobj(src, dst)
@@ -165,18 +168,28 @@ class BackgroundHashes:
             self._done[file] = digest.hexdigest()
 
 
-def write_metadata(source: CheckpointSource, config: dict, plan: MergePlan, folder: Path, extra: dict | None = None,
-                   known: dict[str, str] | None = None) -> dict:
-    """Index, config.json, copied files and the manifest (sha256 of every file) into `folder`.
+def clear_strays(folder: Path, keep: set[str]) -> None:
+    """Remove every entry of `folder` not named in `keep`: a staging folder publishes exactly what was planned
+    (leftovers of a killed run with another shard size, files someone put there)."""
+    for entry in folder.iterdir():
+        if entry.name not in keep:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
-    `known` holds sha256 digests already computed (the weight files, hashed while verifying).
-    """
+
+def write_descriptive_files(source: CheckpointSource, config: dict, plan: MergePlan, folder: Path) -> list[str]:
+    """The index, config.json and the files copied from huggingface/ into `folder`; returns their names."""
     (folder / INDEX_FILE).write_text(json.dumps(plan.index(), indent=2) + "\n")
     (folder / "config.json").write_text(json.dumps(output_config(config, plan), indent=2) + "\n")
-    copy_hf_files(source, folder)
-    files = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
-    digests = dict(known or {})
-    digests.update({name: sha256_file(folder / name) for name in files if name not in digests})
+    return [INDEX_FILE, "config.json", *copy_hf_files(source, folder)]
+
+
+def write_manifest(source: CheckpointSource, config: dict, plan: MergePlan, folder: Path, descriptive: list[str],
+                   extra: dict | None = None, known: dict[str, str] | None = None) -> dict:
+    """The model card, then the manifest: sha256 of every file the folder publishes, which must be exactly
+    the planned weight files, `descriptive` (from `write_descriptive_files`) and the card.
+
+    `known` holds sha256 digests already computed (the weight files, hashed while merging).
+    """
     manifest = {
         "ckptflow_version": ckptflow_version(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -184,24 +197,17 @@ def write_metadata(source: CheckpointSource, config: dict, plan: MergePlan, fold
         "dtype": plan.dtype or "keep",
         "groups": plan.groups,
         "aliases": plan.aliases,
-        "files": {name: {"sha256": digests[name], "size": (folder / name).stat().st_size,
-                         "mtime_ns": (folder / name).stat().st_mtime_ns} for name in files},
         **(extra or {}),
     }
+    (folder / CARD_FILE).write_text(model_card(manifest, config, manifest.get("verification", [])))
+    files = sorted({*plan.files, *descriptive, CARD_FILE})
+    present = sorted(p.name for p in folder.iterdir())
+    if present != files:
+        raise VerificationError(f"{folder}: holds {sorted(set(present) ^ set(files))} beside or instead of the planned "
+                                "files; nothing was published: merge again")
+    digests = dict(known or {})
+    digests.update({name: sha256_file(folder / name) for name in files if name not in digests})
+    manifest["files"] = {name: {"sha256": digests[name], "size": (folder / name).stat().st_size,
+                                "mtime_ns": (folder / name).stat().st_mtime_ns} for name in files}
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
-
-
-def publish(staging: Path, target: Path, overwrite: bool) -> Path:
-    """Move the finished staging folder to `target` by rename; an old target is swapped out first."""
-    target = target.absolute()
-    if target.exists():
-        if not overwrite and (not target.is_dir() or any(target.iterdir())):
-            raise FileExistsError(f"{target} exists")
-        retired = target.parent / f".{target.name}.ckptflow-old-{uuid.uuid4().hex[:8]}"
-        os.rename(target, retired)
-        os.rename(staging, target)
-        shutil.rmtree(retired, ignore_errors=True)
-    else:
-        os.rename(staging, target)
-    return target

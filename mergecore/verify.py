@@ -9,14 +9,13 @@ And `verify_manifest`: every file's sha256 still matches the manifest.
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from .arrays import bitwise_equal, cast, dtype_of
-from .errors import VerificationError
+from .errors import CheckpointError, VerificationError
 from .formats import CheckpointSource
 from .output import MANIFEST_FILE, sha256_file
 from .tensorio import HfWeights, read_json
@@ -48,7 +47,7 @@ def verify_round_trip(source: CheckpointSource, folder: Path, aliases: dict[str,
 def verify_manifest(folder: Path, full: bool = True) -> dict:
     """Every file named in the manifest is there and unchanged: re-hashed, or with `full=False`
     only its size and modification time compared (enough to notice any ordinary write)."""
-    manifest = read_json(folder / MANIFEST_FILE)
+    manifest = load_manifest(folder)
     for name, entry in manifest["files"].items():
         path = folder / name
         if not path.exists():
@@ -102,15 +101,49 @@ def _auto_class(folder: Path):
     import transformers
 
     architectures = read_json(folder / "config.json").get("architectures") or [""]
+    if not isinstance(architectures, list) or not isinstance(architectures[0], str):
+        raise CheckpointError(f"{folder / 'config.json'}: architectures is {architectures!r}, not a list of class names")
     if architectures[0].endswith("ForTokenClassification"):
         return transformers.AutoModelForTokenClassification
     return transformers.AutoModelForCausalLM
 
 
+LOGITS_ATOL = 1e-5
+REFERENCE_CHECKS = ("reference", "logits")
+
+
+def reference_checks(folder: Path, reference: Path, trust_remote_code: bool = False, logits: bool = True,
+                     atol: float | None = None, rtol: float | None = None) -> list[dict]:
+    """`folder` against a reference model: every tensor (exact unless tolerances are given), then the logits
+    (within `atol`, default LOGITS_ATOL, and `rtol`).
+
+    >>> [c["check"] for c in reference_checks(Path("out/model"), Path("ref/model"))]  # doctest: +SKIP
+    ['reference', 'logits']
+    """
+    tensors = compare_with_reference(folder, reference, atol or 0.0, rtol or 0.0)
+    results = [{k: v for k, v in tensors.items() if k != "rows"}]
+    if logits:
+        results.append(compare_logits(folder, reference, LOGITS_ATOL if atol is None else atol, trust_remote_code,
+                                      rtol=rtol or 0.0))
+    return results
+
+
+def _load_model(auto, folder: Path, **kwargs):
+    try:
+        return auto.from_pretrained(folder, **kwargs)
+    except Exception as err:  # noqa: BLE001 - whatever transformers raises, the folder is what the user can fix
+        hint = "pass --trust-remote-code if it needs its own model code" if "trust_remote_code" in str(err) else \
+            "check its config.json and weights"
+        raise CheckpointError(f"{folder}: transformers cannot load it ({type(err).__name__}: "
+                              f"{(str(err).strip().splitlines() or [''])[0]}); {hint}") from None
+
+
 def compare_logits(
-    folder: Path, reference: Path, atol: float = 1e-5, trust_remote_code: bool = False, seq_len: int = 16
+    folder: Path, reference: Path, atol: float = LOGITS_ATOL, trust_remote_code: bool = False, seq_len: int = 16,
+    rtol: float = 0.0,
 ) -> dict:
-    """Logits of the merged model vs the reference, both in the merged dtype, on fixed token ids.
+    """Logits of the merged model vs the reference, both in the merged dtype, on fixed token ids:
+    equal when |ours - theirs| <= atol + rtol * |theirs| everywhere.
 
     Runs on the GPU when one is present.
     """
@@ -121,19 +154,29 @@ def compare_logits(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     auto = _auto_class(folder)
     kwargs = {"trust_remote_code": trust_remote_code}
-    ours = auto.from_pretrained(folder, dtype="auto", **kwargs).to(device).eval()
-    theirs = auto.from_pretrained(reference, dtype=ours.dtype, **kwargs).to(device).eval()
+    ours = _load_model(auto, folder, dtype="auto", **kwargs).to(device).eval()
+    theirs = _load_model(auto, reference, dtype=ours.dtype, **kwargs).to(device).eval()
     vocab = ours.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (2, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         a, b = ours(input_ids=ids).logits.float(), theirs(input_ids=ids).logits.float()
     diff = (a - b).abs().max().item()
     result = {"check": "logits", "device": device, "dtype": str(ours.dtype).removeprefix("torch."),
-              "shape": list(a.shape), "max_abs_diff": diff, "ok": diff <= atol}
+              "shape": list(a.shape), "max_abs_diff": diff, "ok": bool(((a - b).abs() <= atol + rtol * b.abs()).all())}
     if not result["ok"]:
-        raise VerificationError(f"{folder}: logits differ from {reference} by {diff:.3g} (> atol {atol}) on {device}")
+        raise VerificationError(f"{folder}: logits differ from {reference} by {diff:.3g} (beyond atol {atol}, "
+                                f"rtol {rtol}) on {device}")
     return result
 
 
 def load_manifest(folder: Path) -> dict:
-    return json.loads((folder / MANIFEST_FILE).read_text())
+    """A merged folder's manifest, checked for the fields `verify` reads."""
+    path = Path(folder) / MANIFEST_FILE
+    fix = "the folder was not written by ckptflow merge, or its manifest was damaged: merge again"
+    manifest = read_json(path, fix=fix)
+    files, source = manifest.get("files"), manifest.get("source")
+    if not (isinstance(files, dict) and all(isinstance(e, dict) and "sha256" in e and "size" in e for e in files.values())
+            and all(isinstance(name, str) and "/" not in name and name not in ("", ".", "..") for name in files)
+            and isinstance(source, dict) and isinstance(source.get("location"), str)):
+        raise CheckpointError(f"{path}: lacks its files or source entries; {fix}")
+    return manifest

@@ -7,6 +7,7 @@ written is in memory, however many groups a file holds.
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -20,9 +21,16 @@ def prepare_files(plan: MergePlan, folder: Path) -> list[str]:
     """Create each output file with its header and full size; keep files already prepared.
 
     A file is kept when its size and header match the plan, so a resumed merge keeps the
-    groups it already wrote. Returns the files (re)created, whose groups must be written anew.
+    groups it already wrote; anything else in the folder goes. A folder holding a manifest is a
+    finished model (one a crash left before or after its swap into place) and is never resumed.
+    Returns the files (re)created, whose groups must be written anew.
     """
+    from .output import MANIFEST_FILE, clear_strays
+
+    if (folder / MANIFEST_FILE).exists():
+        shutil.rmtree(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    clear_strays(folder, set(plan.files))
     created = []
     for file in plan.files:
         path, header, size = folder / file, plan.header(file), plan.file_size(file)

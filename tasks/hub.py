@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from mergecore.hub import CARD_FILE, model_card, push_folder
+from mergecore.hub import push_folder
 
 
 def hub_token(secret_block: str | None) -> str | None:
@@ -21,10 +18,8 @@ def hub_token(secret_block: str | None) -> str | None:
 
 
 @task(name="push_to_hub", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5)
-def push_to_hub(target: str, manifest: dict, checks: list[dict], repo_id: str, revision: str | None = None,
-                private: bool = True, tag: str | None = None, token_secret: str | None = None) -> dict:
-    """Write the model card, push the folder to `repo_id`@`revision`, and check the remote equals it."""
-    folder = Path(target)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / CARD_FILE).write_text(model_card(manifest, config, checks))
-    return push_folder(folder, repo_id, revision=revision, private=private, tag=tag, token=hub_token(token_secret))
+def push_to_hub(target: str, repo_id: str, revision: str | None = None, private: bool = True, tag: str | None = None,
+                token_secret: str | None = None) -> dict:
+    """Push the published folder (card and manifest included, as verified) to `repo_id`@`revision`, and check
+    the remote equals it."""
+    return push_folder(target, repo_id, revision=revision, private=private, tag=tag, token=hub_token(token_secret))

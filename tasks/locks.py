@@ -19,6 +19,8 @@ import fcntl
 import os
 import threading
 import time
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
@@ -109,6 +111,21 @@ class FlockLockManager(LockManager):
         """Remove the file while still holding it (no litter), then let go."""
         self._path(key).unlink(missing_ok=True)
         os.close(descriptor)
+
+
+@contextmanager
+def exclusive(lock_files_directory: Path, key: str):
+    """Hold `key`'s lock for a `with` block, waiting for it: e.g. one run at a time publishes a target.
+
+    >>> with exclusive(Path("results/locks"), "finalize"):  # doctest: +SKIP
+    ...     publish()
+    """
+    locks, holder = FlockLockManager(lock_files_directory), uuid.uuid4().hex
+    locks.acquire_lock(key, holder)
+    try:
+        yield
+    finally:
+        locks.release_lock(key, holder)
 
 
 def _same_file(descriptor: int, path: Path) -> bool:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
-from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import task
@@ -14,8 +12,10 @@ from mergecore import finalize as finalize_folder
 from mergecore import merge_group as merge_one_group
 from mergecore.merge import refresh_published
 from mergecore.output import BackgroundHashes
+from mergecore.verify import reference_checks
 
 from .caching import results_folder
+from .locks import exclusive
 from .sources import CheckpointRef, prepared_for
 
 
@@ -42,27 +42,19 @@ def merge_group(ref: CheckpointRef, plan: MergePlan, group: str, staging: str, w
 
 @task(name="finalize_model", cache_policy=NO_CACHE)
 def finalize_model(ref: CheckpointRef, staging: str, target: str, overwrite: bool, receipts: list[dict],
-                   hashes: BackgroundHashes | None = None) -> dict:
-    """Round-trip check against the shards, index/config/tokenizer/manifest, atomic publish.
+                   hashes: BackgroundHashes | None = None, reference: str | None = None,
+                   trust_remote_code: bool = False) -> dict:
+    """Round-trip check against the shards and, with a reference, its tensors and logits; then
+    index/config/tokenizer/card/manifest and the atomic publish. Nothing is published unless all pass.
 
     `hashes`: the flow's hasher of the weight files, already through the groups merged so far; it
     finishes while the round-trip check runs. On a rerun whose weights are already published (no
     staging folder), only changed metadata is redone.
     """
     prepared = prepared_for(ref)
-    with exclusive(results_folder(target) / "finalize.lock"):  # concurrent runs publish one at a time
+    checks = (lambda folder: reference_checks(folder, Path(reference), trust_remote_code)) if reference else None
+    with exclusive(results_folder(target) / "locks", "finalize"):  # concurrent runs publish one at a time
         if not Path(staging).exists():
-            return refresh_published(prepared, Path(target))
+            return refresh_published(prepared, Path(target), checks=checks)
         return finalize_folder(prepared, Path(staging), Path(target), overwrite, extra={"groups_written": receipts},
-                               hashes=hashes)
-
-
-@contextmanager
-def exclusive(lock_file: Path):
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_file, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+                               hashes=hashes, checks=checks)

@@ -22,9 +22,12 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 # Readers are imported only when chosen: the Megatron ones need torch, the FSDP one does not.
 FORMATS = {
     "fsdp": (has_rank_files, "fsdp:FsdpCheckpoint"),
-    "megatron": (has_mp_rank_folders, "megatron_legacy:MegatronLegacyCheckpoint"),
+    "megatron_legacy": (has_mp_rank_folders, "megatron_legacy:MegatronLegacyCheckpoint"),
     "megatron_dist": (has_dist_ckpt, "megatron_dist:MegatronDistCheckpoint"),
 }
+# --backend values: verl's `megatron` covers both of its Megatron layouts (dist_ckpt is its default).
+BACKENDS = {"fsdp": ("fsdp",), "megatron": ("megatron_legacy", "megatron_dist"),
+            "megatron_legacy": ("megatron_legacy",), "megatron_dist": ("megatron_dist",)}
 
 
 def reader_class(backend: str) -> type[CheckpointSource]:
@@ -78,16 +81,16 @@ def open_checkpoint(
     >>> ckpt.describe()["world_size"]                               # doctest: +SKIP
     4
     """
+    if backend != "auto" and backend not in BACKENDS:
+        raise CheckpointError(f"--backend {backend} is not supported; use one of: auto, {', '.join(BACKENDS)}")
     folder, step = find_role_folder(Location.of(path), role)
     names = folder.listdir()
-    candidates = FORMATS if backend == "auto" else {backend: FORMATS.get(backend)}
-    for name, entry in candidates.items():
-        if entry is None:
-            raise CheckpointError(f"--backend {backend} is not supported; use one of: auto, {', '.join(FORMATS)}")
-        test = entry[0]
-        if test(names, folder):
+    for name in FORMATS if backend == "auto" else BACKENDS[backend]:
+        if FORMATS[name][0](names, folder):
             options = {"custom_mapping": custom_mapping} if custom_mapping else {}
             if options and name == "fsdp":
                 raise CheckpointError(f"{folder}: --custom-mapping applies to Megatron checkpoints; FSDP keeps HF names")
-            return reader_class(name)(folder, Location.of(hf_dir) if hf_dir else None, step=step, **options)
+            source = reader_class(name)(folder, Location.of(hf_dir) if hf_dir else None, step=step, **options)
+            source.backend = name
+            return source
     raise CheckpointError(f"{folder}: is not a {backend} checkpoint; try --backend auto")

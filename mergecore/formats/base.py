@@ -50,6 +50,7 @@ class CheckpointSource(ABC):
     """A discovered checkpoint. Subclasses: one per format (FSDP, Megatron legacy, dist_ckpt)."""
 
     format_name: str
+    backend: str = ""  # the FORMATS key it was opened as, set by open_checkpoint; recorded to reopen it alike
     location: Location
     hf_dir: Location | None
 
@@ -114,9 +115,8 @@ class CheckpointSource(ABC):
 
 def read_hf_config(source: CheckpointSource) -> dict:
     """config.json from the checkpoint's `huggingface/` folder (or the folder given instead)."""
-    import json
-
     from ..errors import CheckpointError
+    from ..tensorio import read_json
 
     config_file = source.hf_dir.join("config.json") if source.hf_dir else None
     if config_file is None or not config_file.exists():
@@ -124,7 +124,4 @@ def read_hf_config(source: CheckpointSource) -> dict:
             f"{config_file or source.location}: no config.json; the checkpoint lacks its huggingface/ folder: "
             "pass --hf_model_path pointing at the base model's folder"
         )
-    try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{config_file}: not valid JSON ({err}); restore it from the base model") from None
+    return read_json(config_file, fix="restore it from the base model")

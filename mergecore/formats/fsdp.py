@@ -7,7 +7,6 @@ FSDP1 without a mesh -> ShardedTensor; a single GPU -> plain tensors.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from functools import cached_property
 
@@ -75,6 +74,18 @@ def _layout_text(value) -> str:
     return "ShardedTensor(dim 0)" if isinstance(value, ShardedTensorRecord) else "plain"
 
 
+def _fsdp_config(where: Location) -> dict:
+    """verl's `fsdp_config.json`: `{"FSDP_version": 1|2, "world_size": W}`."""
+    from ..tensorio import read_json
+
+    fix = 'fix it (verl writes {"FSDP_version": 2, "world_size": W}) or delete it to infer W from the rank files'
+    config = read_json(where, fix=fix)
+    world = config.get("world_size")
+    if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
+        raise CheckpointError(f"{where}: world_size is {world!r}, not a positive integer; {fix}")
+    return config
+
+
 class FsdpCheckpoint(CheckpointSource):
     format_name = "verl-fsdp"
 
@@ -83,7 +94,7 @@ class FsdpCheckpoint(CheckpointSource):
         self.hf_dir = hf_dir if hf_dir is not None else location.join("huggingface")
         self.step = step
         names = location.listdir()
-        self._fsdp_config = json.loads(location.join("fsdp_config.json").read_text()) if "fsdp_config.json" in names else {}
+        self._fsdp_config = _fsdp_config(location.join("fsdp_config.json")) if "fsdp_config.json" in names else {}
         self.world_size, self._rank_names = self._find_ranks(names)
 
     def _find_ranks(self, names: list[str]) -> tuple[int, list[str]]:

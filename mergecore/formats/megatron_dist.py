@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import io
 import itertools
-import json
 import pathlib
 import pickle
 import re
@@ -45,6 +44,7 @@ import torch
 from ..errors import CheckpointError, VerificationError
 from ..megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
 from ..storage import Location
+from ..tensorio import read_json
 from ..arrays import bitwise_equal, numpy_dtype, to_torch
 from ..transforms import Transform, VocabParallel, make_transform
 from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
@@ -192,11 +192,8 @@ class MegatronDistCheckpoint(CheckpointSource):
         where = self.dist_dir.join("metadata.json")
         if not where.exists():
             raise CheckpointError(f"{where}: missing; the dist_ckpt save was incomplete: copy the whole folder again")
-        try:
-            info = json.loads(where.read_text())
-        except json.JSONDecodeError as err:
-            raise CheckpointError(f"{where}: not valid JSON ({err}); copy it again from where training saved it") from None
-        backend = info.get("sharded_backend") if isinstance(info, dict) else None
+        info = read_json(where, fix="copy it again from where training saved it")
+        backend = info.get("sharded_backend")
         if backend != "torch_dist":
             raise CheckpointError(
                 f"{where}: sharded_backend is {backend!r}; only the torch_dist backend is supported (convert zarr "
