@@ -162,7 +162,7 @@ def compare_logits(
         a, b = ours(input_ids=ids).logits.float(), theirs(input_ids=ids).logits.float()
     diff = (a - b).abs().max().item()
     result = {"check": "logits", "device": device, "dtype": str(ours.dtype).removeprefix("torch."),
-              "shape": list(a.shape), "max_abs_diff": diff, "ok": bool(((a - b).abs() <= atol + rtol * b.abs()).all())}
+              "shape": list(a.shape), "max_abs_diff": diff, "atol": atol, "rtol": rtol, "ok": bool(((a - b).abs() <= atol + rtol * b.abs()).all())}
     if not result["ok"]:
         raise VerificationError(f"{folder}: logits differ from {reference} by {diff:.3g} (beyond atol {atol}, "
                                 f"rtol {rtol}) on {device}")

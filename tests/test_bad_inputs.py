@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -16,6 +17,11 @@ def assert_refused(result, target, *fragments):
         assert fragment in message, message
     assert not target.exists()
     assert not list(target.parent.glob(f".{target.name}.ckptflow-*"))
+
+
+def error_lines(result) -> int:
+    """Lines of error text (the progress bar of a merge that went well may stand before it)."""
+    return len(result.stderr.split("error:", 1)[-1].strip().splitlines())
 
 
 def merge(cli, source, target, *extra):
@@ -116,3 +122,63 @@ def test_private_without_an_upload_path_is_refused_not_ignored(cli, demo, tmp_pa
 def test_value_model_flag_checked_against_config(cli, demo, tmp_path):
     assert_refused(merge(cli, demo("fsdp2-w2").role_dir, tmp_path / "out", "--is-value-model"), tmp_path / "out", "ForTokenClassification")
     assert merge(cli, demo("critic-w2").role_dir, tmp_path / "critic", "--is-value-model").exit_code == 0
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--revision", "step-1"], "--revision only applies with --hf_upload_path"),
+    (["--public"], "--public only applies with --hf_upload_path"),
+    (["--trust-remote-code"], "--trust-remote-code: merge never loads model code"),
+])
+def test_flags_that_would_do_nothing_are_refused(cli, demo, tmp_path, flags, fragment):
+    assert_refused(merge(cli, demo("fsdp2-w2").role_dir, tmp_path / "out", *flags), tmp_path / "out", fragment)
+
+
+# A user-supplied file in every place the merge reads one, damaged: (file under the role folder, content, fragment)
+MALFORMED = {
+    "fsdp_config not JSON": ("fsdp_config.json", "{world_size: 2", "fsdp_config.json: not valid JSON"),
+    "fsdp_config a list": ("fsdp_config.json", "[2]", "fsdp_config.json: holds a JSON list"),
+    "fsdp_config world_size text": ("fsdp_config.json", '{"world_size": "two"}', "world_size is 'two'"),
+    "config not JSON": ("huggingface/config.json", "{", "config.json: not valid JSON"),
+    "config a list": ("huggingface/config.json", "[]", "config.json: holds a JSON list"),
+    "config not UTF-8": ("huggingface/config.json", b"\xff\xfe{", "config.json: not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_metadata_is_one_line(cli, demo_copy, tmp_path, case):
+    name, content, fragment = MALFORMED[case]
+    ckpt = demo_copy("fsdp2-w2")
+    path = ckpt.role_dir / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert_refused(merge(cli, ckpt.role_dir, tmp_path / "out"), tmp_path / "out", fragment)
+
+
+def test_verify_and_test_refuse_malformed_folders(cli, demo, tmp_path):
+    ckpt = demo("fsdp2-w2")
+    out = tmp_path / "out"
+    assert merge(cli, ckpt.role_dir, out).exit_code == 0
+    (out / "ckptflow_manifest.json").write_text('{"files": [')
+    result = cli("verify", out)
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "ckptflow_manifest.json: not valid JSON" in result.stderr
+    (out / "ckptflow_manifest.json").write_text('{"files": {"../../etc/passwd": {"sha256": "0", "size": 1}}, "source": {}}')
+    result = cli("verify", out)
+    assert result.exit_code == 2 and "lacks its files or source entries" in result.stderr
+
+    reference = tmp_path / "reference"
+    shutil.copytree(ckpt.reference_dir, reference)
+    (reference / "model.safetensors.index.json").write_text('{"weight_map": {"x": "../model.safetensors"}}')
+    result = cli("test", "--local_dir", ckpt.role_dir, "--test_hf_dir", reference)
+    assert result.exit_code == 2 and error_lines(result) == 1 and "weight_map is not a mapping" in result.stderr
+    (reference / "model.safetensors.index.json").unlink()
+    weights = reference / "model.safetensors"
+    weights.write_bytes((10**9).to_bytes(8, "little") + weights.read_bytes()[8:])  # header length past the end
+    result = cli("test", "--local_dir", ckpt.role_dir, "--test_hf_dir", reference)
+    assert result.exit_code == 2 and "model.safetensors: not a valid safetensors file" in result.stderr
+
+
+def test_verify_flags_need_a_reference(cli, demo, tmp_path):
+    out = tmp_path / "out"
+    assert merge(cli, demo("fsdp2-w2").role_dir, out).exit_code == 0
+    for flags in (["--logits"], ["--atol", "0.1"], ["--trust-remote-code"]):
+        result = cli("verify", out, *flags)
+        assert result.exit_code == 2 and "add --reference FOLDER" in result.stderr, flags

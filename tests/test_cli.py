@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 def test_verl_spellings_merge_and_test(cli, demo, tmp_path):
     ckpt = demo("fsdp2-w2")
     result = cli("merge", "--backend", "fsdp", "--local-dir", ckpt.run_root, "--target-dir", tmp_path / "out",
-                 "--max_shard_size", "5GB", "--trust-remote-code", "--use_cpu_initialization")
+                 "--max_shard_size", "5GB", "--use_cpu_initialization")
     assert result.exit_code == 0, result.output
     assert "round-trip ok" in result.stdout
     result = cli("test", "--backend", "fsdp", "--local_dir", ckpt.role_dir, "--test_hf_dir", ckpt.reference_dir)
@@ -31,6 +31,11 @@ def test_test_fails_on_a_tampered_reference(cli, demo, tmp_path):
     result = cli("test", "--backend", "fsdp", "--local_dir", ckpt.role_dir, "--test_hf_dir", reference)
     assert result.exit_code == 3
     assert "1 tensors differ" in result.stderr and "model.layers.1.mlp.down_proj.weight" in result.stderr
+    # Tolerances apply to the tensors and the logits alike.
+    result = cli("test", "--local_dir", ckpt.role_dir, "--test_hf_dir", reference, "--atol", "0.01", "--rtol", "0.001")
+    assert result.exit_code == 0, result.output
+    logits_rows = result.stdout.split("logits", 1)[1]  # the table may wrap the row
+    assert "atol=0.01" in logits_rows and "rtol=0.001" in logits_rows
 
 
 def test_verify_rechecks_hashes_and_round_trip(cli, demo, tmp_path):
@@ -103,6 +108,32 @@ def test_megatron_legacy_through_the_cli(cli, tmp_path):
     assert compare_with_reference(tmp_path / "out", ckpt.reference_dir)["max_abs_diff"] == 0.0
     report = json.loads(cli("inspect", ckpt.run_root, "--json").stdout)
     assert report["checkpoint"]["format"] == "verl-megatron-legacy" and report["checkpoint"]["tp"] == 2
+
+    # Without huggingface/: the config comes from --hf_model_path, which the manifest records for `verify`.
+    config_dir = tmp_path / "base"
+    shutil.move(ckpt.role_dir / "huggingface", config_dir)
+    result = cli("merge", "--backend", "megatron", "--local_dir", ckpt.run_root, "--target_dir", tmp_path / "out2",
+                 "--hf_model_path", config_dir)
+    assert result.exit_code == 0, result.output
+    assert cli("verify", tmp_path / "out2").exit_code == 0
+    shutil.move(config_dir, tmp_path / "moved")
+    result = cli("verify", tmp_path / "out2")
+    assert result.exit_code == 2 and "--hf_model_path" in result.stderr
+    assert cli("verify", tmp_path / "out2", "--hf_model_path", tmp_path / "moved").exit_code == 0
+
+
+def test_backend_megatron_reads_dist_ckpt_as_verl_does(cli, tmp_path):
+    from mergecore import compare_with_reference
+    from mergecore.megatron_dist_fixtures import write_dist_checkpoint
+
+    ckpt = write_dist_checkpoint(tmp_path / "run", "qwen2")
+    result = cli("merge", "--backend", "megatron", "--local_dir", ckpt.run_root, "--target_dir", tmp_path / "out",
+                 "--dtype", "keep")
+    assert result.exit_code == 0, result.output
+    assert compare_with_reference(tmp_path / "out", ckpt.reference_dir)["max_abs_diff"] == 0.0
+    manifest = json.loads((tmp_path / "out" / "ckptflow_manifest.json").read_text())
+    assert manifest["source"]["options"]["backend"] == "megatron_dist"
+    assert cli("verify", tmp_path / "out").exit_code == 0
 
 
 def test_custom_mapping_is_for_megatron_only(cli, demo, tmp_path):
