@@ -15,8 +15,6 @@ from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
 
-from mergecore import staging_folder
-from mergecore.merge import check_target
 from mergecore.output import BackgroundHashes
 from tasks import (discover_shards, finalize_model, merge_group, plan_groups, prepare_staging, push_to_hub,
                    run_equivalence_tests, validate_metadata)
@@ -35,10 +33,10 @@ def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False, r
     validate_metadata(ref)
     plan = plan_groups(ref)
     plan_as_is = quote(plan)  # not walked for futures: Prefect's walk of a large plan costs ms per task
-    if already_published(ref, target, overwrite):  # a rerun after success: the target holds every group
-        staged, futures = {"staging": str(staging_folder(target)), "created": []}, {}
+    staged = prepare_staging(ref, target, overwrite)
+    if staged["published"]:  # a rerun after success: the target holds every group
+        futures = {}
     else:
-        staged = prepare_staging(plan_as_is, target)
         merge = merge_group.with_options(cache_policy=group_cache_policy(target), result_storage=results_folder(target))
         rewritten = {g for g in plan.groups if any(t.file in staged["created"] for t in plan.in_group(g))}
         largest_first = sorted(plan.groups, key=lambda g: -sum(t.end - t.begin for t in plan.in_group(g)))  # no big tail
@@ -50,7 +48,8 @@ def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False, r
         manifest = finalize_model(ref, staged["staging"], target, overwrite, receipts, hashes, reference,
                                   trust_remote_code)
     cached = [g for g in plan.groups if not futures or states[g].name == "Cached"]  # reused: all of them
-    create_markdown_artifact(merge_report(source, plan, receipts, cached, manifest), key="merge-report",
+    written = receipts if futures else manifest.get("groups_written", [])  # reused: as the run that wrote them
+    create_markdown_artifact(merge_report(source, plan, written, cached, manifest), key="merge-report",
                              description=f"merge of {source['location']}")
     return {**manifest, "cached_groups": cached}
 
@@ -104,15 +103,3 @@ def finished_groups(futures: dict, plan, progress: GroupProgress, hashes: Backgr
             state.result()
     return states, [receipts[g] for g in plan.groups if g in receipts]
 
-
-def already_published(ref: CheckpointRef, target: str, overwrite: bool) -> bool:
-    """True when `target` holds this very merge; a different non-empty target needs overwrite."""
-    from mergecore.merge import published_manifest
-    from mergecore.publish import repair_target
-    from tasks.sources import prepared_for
-
-    repair_target(Path(target).absolute())  # a crash during an earlier publish
-    if published_manifest(Path(target), prepared_for(ref)):
-        return True
-    check_target(target, overwrite)
-    return False

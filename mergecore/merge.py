@@ -137,6 +137,21 @@ def check_target(target: str | Path, overwrite: bool) -> Path:
     return path
 
 
+def stage(prepared: Prepared, target: str | Path, overwrite: bool) -> dict:
+    """Where a merge into `target` writes: `published` when the target already holds this very merge
+    (nothing to write); else the staging folder, prepared, with the files created anew (their groups must
+    be written; files kept from an interrupted run keep theirs). A different non-empty target needs `overwrite`.
+    """
+    from .writer import prepare_files
+
+    target_path = check_target(target, overwrite=True)  # repairs first; whether it may be replaced comes next
+    staging = staging_folder(target_path)
+    if published_manifest(target_path, prepared):
+        return {"staging": str(staging), "created": [], "published": True}
+    check_target(target_path, overwrite)
+    return {"staging": str(staging), "created": prepare_files(prepared.plan, staging), "published": False}
+
+
 def merge_group(
     source: CheckpointSource,
     plan: MergePlan,

@@ -5,10 +5,12 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from mergecore import MergePlan, staging_folder
+from mergecore import MergePlan
 from mergecore.fingerprints import input_fingerprints
-from mergecore.writer import prepare_files
+from mergecore.merge import stage
 
+from .caching import results_folder
+from .locks import PUBLISH_LOCK, exclusive
 from .sources import CheckpointRef, prepared_for, source_for
 
 
@@ -34,7 +36,12 @@ def plan_groups(ref: CheckpointRef) -> MergePlan:
 
 
 @task(name="prepare_staging", cache_policy=NO_CACHE)
-def prepare_staging(plan: MergePlan, target: str) -> dict:
-    """Pre-size the output files beside the target; files kept from an interrupted run are reused."""
-    staging = staging_folder(target)
-    return {"staging": str(staging), "created": prepare_files(plan, staging)}
+def prepare_staging(ref: CheckpointRef, target: str, overwrite: bool) -> dict:
+    """Pre-size the output files beside the target; files kept from an interrupted run are reused.
+    `published`: the target already holds this merge, so nothing is staged.
+
+    Under the target's publish lock: a concurrent run is never half-way through publishing the folder
+    this one prepares.
+    """
+    with exclusive(results_folder(target) / "locks", PUBLISH_LOCK):
+        return stage(prepared_for(ref), target, overwrite)

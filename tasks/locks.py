@@ -27,6 +27,7 @@ import anyio
 from prefect.locking.protocol import LockManager
 
 POLL_SECONDS = 0.05
+PUBLISH_LOCK = "publish"  # a target's staging folder is prepared and published by one run at a time
 
 
 class FlockLockManager(LockManager):

@@ -15,7 +15,7 @@ from mergecore.output import BackgroundHashes
 from mergecore.verify import reference_checks
 
 from .caching import results_folder
-from .locks import exclusive
+from .locks import PUBLISH_LOCK, exclusive
 from .sources import CheckpointRef, prepared_for
 
 
@@ -53,7 +53,7 @@ def finalize_model(ref: CheckpointRef, staging: str, target: str, overwrite: boo
     """
     prepared = prepared_for(ref)
     checks = (lambda folder: reference_checks(folder, Path(reference), trust_remote_code)) if reference else None
-    with exclusive(results_folder(target) / "locks", "finalize"):  # concurrent runs publish one at a time
+    with exclusive(results_folder(target) / "locks", PUBLISH_LOCK):  # concurrent runs publish one at a time
         if not Path(staging).exists():
             return refresh_published(prepared, Path(target), checks=checks)
         return finalize_folder(prepared, Path(staging), Path(target), overwrite, extra={"groups_written": receipts},
