@@ -85,13 +85,15 @@ class AllowListUnpickler(pickle.Unpickler):
             raise Refused(f"storage {key} declares {numel!r} elements")
         return self.storage(key, str(dtype), numel)
 
-    def max_elements(self, shape, what: str) -> tuple[int, ...]:
-        """`shape` as a tuple of ints, refused when negative or holding more elements than the file has bytes."""
+    def max_elements(self, shape, what: str, per_byte: int = 1) -> tuple[int, ...]:
+        """`shape` as a tuple of ints, refused when negative or holding more than `per_byte` elements
+        per byte of the file (every element of a local tensor takes at least a byte)."""
         dims = tuple(shape)
         if not all(type(d) is int and d >= 0 for d in dims):
             raise Refused(f"{what} {dims} has a negative or non-integer size")
-        if math.prod(dims) > max(self.file_bytes, 1):
-            raise Refused(f"{what} {dims} declares more elements than the file's {self.file_bytes} bytes")
+        if math.prod(dims) > max(self.file_bytes, 1) * per_byte:
+            raise Refused(f"{what} {dims} declares more elements than the file's {self.file_bytes} bytes"
+                          + (f" times {per_byte} ranks" if per_byte > 1 else ""))
         return dims
 
 
@@ -317,19 +319,24 @@ def _rebuild_wrapper_subclass(cls, dtype, size, *rest):
     return cls()
 
 
-def _rebuild_from_type(func, new_type, args, state):
-    if new_type is TensorClass:
-        return func(*args)
-    if new_type is ShardedTensorRecord:
-        record = ShardedTensorRecord()
-        record.__setstate__(state)
-        return record
-    if new_type is DTensorRecord:
-        record = func(*args)
-        record.__setstate__(state)
-        record.dtype, record.shape = args[1], _global_dims(args[2])
-        return record
-    raise Refused(f"refusing to rebuild tensor subclass {getattr(new_type, '__name__', new_type)}")
+def _rebuild_from_type(unpickler, _module, _name):
+    """Plain tensors, and DTensor/ShardedTensor records (a DTensor's global shape bounded like `torch.Size`)."""
+    def rebuild(func, new_type, args, state):
+        if new_type is TensorClass:
+            return func(*args)
+        if new_type is ShardedTensorRecord:
+            record = ShardedTensorRecord()
+            record.__setstate__(state)
+            return record
+        if new_type is DTensorRecord:
+            record = func(*args)
+            record.__setstate__(state)
+            record.dtype = args[1]
+            record.shape = unpickler.max_elements(args[2], "DTensor shape", per_byte=MAX_RANKS)
+            return record
+        raise Refused(f"refusing to rebuild tensor subclass {getattr(new_type, '__name__', new_type)}")
+
+    return rebuild
 
 
 def _getattr(obj, name):
@@ -342,17 +349,13 @@ def _size(unpickler, _module, _name):
     return lambda dims=(): unpickler.max_elements(dims, "torch.Size")
 
 
-def _global_dims(dims) -> tuple[int, ...]:
-    """A DTensor's global shape spans every rank's shard, so it may exceed one rank file: only
-    non-negative ints below 2**48 here; fsdp.py checks that the ranks' shards cover it exactly."""
-    dims = tuple(dims)
-    if not all(type(d) is int and 0 <= d < 2 ** 48 for d in dims):
-        raise Refused(f"torch.Size {dims} has a negative, huge or non-integer size")
-    return dims
+MAX_RANKS = 2 ** 16
 
 
-def _global_size(_unpickler, _module, _name):
-    return lambda dims=(): _global_dims(dims)
+def _global_size(unpickler, _module, _name):
+    """A DTensor's global shape spans every rank's shard, so it may exceed one rank file: at most
+    MAX_RANKS times its bytes here; fsdp.py checks that the ranks' shards cover it exactly."""
+    return lambda dims=(): unpickler.max_elements(dims, "torch.Size", per_byte=MAX_RANKS)
 
 
 _LAYOUT_RECORDS = ("DTensorSpec", "TensorMeta", "ShardOrderEntry", "_MeshLayout", "_FlatLayout", "ShardMetadata",
@@ -377,7 +380,7 @@ TORCH_FILE: dict[tuple[str, str], object] = {
     **{("torch", name): name for name in TORCH_DTYPES},
     ("torch", "Size"): Resolver(_global_size),
     ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper_subclass,
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
+    ("torch._tensor", "_rebuild_from_type_v2"): Resolver(_rebuild_from_type),
     ("builtins", "getattr"): _getattr,
     ("__builtin__", "getattr"): _getattr,
     ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"): lambda value: value,
