@@ -88,3 +88,11 @@ def test_truncated_and_foreign_files_are_one_line_errors(tmp_path):
     torch.save([torch.ones(1)], tmp_path / "list.pt")
     with pytest.raises(CheckpointError, match=r"^list.pt: holds a list, not a state dict"):
         load_rank_file(str(tmp_path / "list.pt"), "list.pt")
+
+
+def test_untrusted_docstrings():
+    import doctest
+
+    import mergecore.formats.untrusted
+
+    assert doctest.testmod(mergecore.formats.untrusted).failed == 0
