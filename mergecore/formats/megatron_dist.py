@@ -28,11 +28,11 @@ are untrusted: they are unpickled with allow-lists, never with plain pickle (tor
 
 from __future__ import annotations
 
-import collections
 import io
 import itertools
-import pathlib
-import pickle
+import math
+import os
+import posixpath
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -50,6 +50,7 @@ from ..transforms import Transform, VocabParallel, make_transform
 from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from . import torchfile
 from .detect import DIST_METADATA_FILE, dist_ckpt_dir
+from .untrusted import AllowListUnpickler, Refused, check_plain_fields, dcp_metadata
 
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "encoder.", "mtp.")
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
@@ -61,56 +62,9 @@ _EXPERTS = re.compile(r"^mlp\.experts\.(?:experts\.|local_experts\.)?(linear_fc[
 
 # ---- untrusted pickles -------------------------------------------------------------------------
 
-def _dcp_allowed() -> dict[tuple[str, str], object]:
-    from torch.distributed.checkpoint import filesystem, metadata, planner
-
-    allowed: dict[tuple[str, str], object] = {}
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"):
-        if hasattr(metadata, name):
-            allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(metadata, name)
-    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
-    # megatron-core keeps its cached save plan in `planner_data`: plain dataclasses and enums
-    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"):
-        if hasattr(planner, name):
-            allowed[("torch.distributed.checkpoint.planner", name)] = getattr(planner, name)
-    for module in ("pathlib", "pathlib._local"):  # StorageMeta.checkpoint_id: kept as a pure path, never opened
-        for name in ("PosixPath", "PurePosixPath"):
-            allowed[(module, name)] = pathlib.PurePosixPath
-        for name in ("WindowsPath", "PureWindowsPath"):
-            allowed[(module, name)] = pathlib.PureWindowsPath
-    allowed[("torch", "Size")] = torch.Size
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-    allowed[("collections", "OrderedDict")] = collections.OrderedDict
-    allowed[("builtins", "set")] = set
-    allowed[("builtins", "frozenset")] = frozenset
-    return allowed
-
-
-_DTYPES = {name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
-
-
-class RefusedGlobal(pickle.UnpicklingError):
-    """A global outside the allow-list: the file is refused, nothing of it is imported or called."""
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a DCP `.metadata`: only torch's metadata dataclasses, dtypes, sizes and pure paths."""
-
-    _allowed: dict | None = None
-
-    def find_class(self, module: str, name: str):
-        if MetadataUnpickler._allowed is None:
-            MetadataUnpickler._allowed = _dcp_allowed()
-        if (module, name) in self._allowed:
-            return self._allowed[(module, name)]
-        if module == "torch" and name in _DTYPES:
-            return getattr(torch, name)
-        raise RefusedGlobal(f"global {module}.{name} is not allowed in a dist_ckpt .metadata")
-
-
 def load_dcp_metadata(location: Location):
-    """The DCP `Metadata` of a `.metadata` file, through the allow-list; one-line errors."""
+    """The DCP `Metadata` of a `.metadata` file, through the allow-list (`untrusted.dcp_metadata`), with
+    its storage index checked (`_check_storage_index`); one-line errors."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     if not location.exists():
@@ -121,8 +75,10 @@ def load_dcp_metadata(location: Location):
     try:
         with location.open("rb") as f:
             data = f.read()
-        metadata = MetadataUnpickler(io.BytesIO(data)).load()
-    except RefusedGlobal as err:
+        metadata = AllowListUnpickler(io.BytesIO(data), dcp_metadata(), file_bytes=len(data),
+                                      what="a dist_ckpt .metadata").load()
+        check_plain_fields(metadata, "a dist_ckpt .metadata")
+    except Refused as err:
         raise CheckpointError(
             f"{location}: refused to unpickle ({str(err).splitlines()[0]}); ckptflow only loads checkpoint metadata, "
             "never arbitrary objects"
@@ -136,7 +92,79 @@ def load_dcp_metadata(location: Location):
         raise CheckpointError(f"{location}: holds a {type(metadata).__name__}, not a torch distributed checkpoint Metadata")
     if not isinstance(getattr(metadata, "storage_data", None), dict):
         raise CheckpointError(f"{location}: has no storage index (storage_data); it was not written by FileSystemWriter")
+    _check_storage_index(metadata, location)
     return metadata
+
+
+def _check_storage_index(metadata, location: Location) -> None:
+    """Every storage item names a file inside the dist_ckpt folder and a byte range inside that file;
+    every tensor's chunks lie inside it, each within its item's bytes, and hold all its elements.
+    So no declared size exceeds what the data files really hold, and nothing outside the folder is read."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    def refuse(what: str):
+        raise CheckpointError(f"{location}: {what}; the metadata is damaged or was tampered with: copy the dist_ckpt "
+                              "folder again from where training saved it")
+
+    def counts(values, what: str) -> tuple[int, ...]:
+        values = tuple(values or ())
+        if not all(type(v) is int and v >= 0 for v in values):
+            refuse(f"{what} {values} is not a list of non-negative integers")
+        return values
+
+    folder, file_sizes = location.parent, {}
+    items: dict[tuple[str, tuple], _StorageInfo] = {}
+    for index, info in metadata.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            refuse(f"storage index entry {type(index).__name__} -> {type(info).__name__} is not a DCP storage entry")
+        data_file = _data_file(folder, info.relative_path, index.fqn, location)
+        offset, length = counts((info.offset, info.length), f"{index.fqn}: byte range")
+        if info.relative_path not in file_sizes:
+            file_sizes[info.relative_path] = data_file.info()["size"] if data_file.exists() else None
+        size = file_sizes[info.relative_path]
+        if size is not None and offset + length > size:
+            refuse(f"{index.fqn} is stored at bytes {offset}+{length} of {info.relative_path}, which has {size}")
+        items[(index.fqn, counts(index.offset, f"{index.fqn}: chunk offset"))] = info
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        shape = counts(md.size, f"{key}: size")
+        itemsize = getattr(md.properties.dtype, "itemsize", 1)
+        held = 0
+        for chunk in md.chunks:
+            offsets, sizes = counts(chunk.offsets, f"{key}: chunk offset"), counts(chunk.sizes, f"{key}: chunk size")
+            if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                    o + n > s for o, n, s in zip(offsets, sizes, shape)):
+                refuse(f"{key}: chunk {sizes} at {offsets} lies outside its tensor {shape}")
+            info = items.get((key, offsets))
+            if info is not None and math.prod(sizes) * itemsize > info.length:
+                refuse(f"{key}: chunk {sizes} at {offsets} needs {math.prod(sizes) * itemsize} bytes but its storage "
+                       f"item holds {info.length}")
+            held += math.prod(sizes)
+        if math.prod(shape) > held:
+            refuse(f"{key}: declares {math.prod(shape)} elements ({shape}) but its chunks hold {held}")
+
+
+def _data_file(folder: Location, relative, fqn: str, shown: Location) -> Location:
+    """`folder/relative`, refused unless `relative` is a plain relative path that stays inside `folder`
+    (also once symlinks are resolved, for local folders)."""
+    plain = isinstance(relative, str) and relative and "\\" not in relative and "\x00" not in relative
+    if not plain or posixpath.isabs(relative) or posixpath.normpath(relative) != relative \
+            or relative.split("/")[0] in ("..", ".") or "://" in relative or "::" in relative:
+        raise CheckpointError(
+            f"{shown}: {fqn} is stored in {str(relative)[:100]!r}, not a file of the dist_ckpt folder; the metadata was "
+            "tampered with: ckptflow only reads data files inside the checkpoint folder"
+        )
+    location = folder.join(relative)
+    if folder.is_local:
+        real_folder, real = os.path.realpath(folder.url), os.path.realpath(location.url)
+        if os.path.commonpath([real_folder, real]) != real_folder:
+            raise CheckpointError(
+                f"{shown}: {fqn} is stored in {relative!r}, which resolves to {real}, outside the dist_ckpt folder; "
+                "ckptflow only reads data files inside the checkpoint folder: copy the real files in"
+            )
+    return location
 
 
 # ---- the index: HF name -> which box of which key --------------------------------------------

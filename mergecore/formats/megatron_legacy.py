@@ -29,44 +29,20 @@ from ..arrays import bitwise_equal, to_torch
 from ..transforms import Replicated, ReplicatedGatedMLP, Transform, VocabParallel, make_transform
 from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from .detect import MP_RANK_DIR
-from .safe_unpickle import Record, RestrictedUnpickler, load_untrusted
+from . import torchfile
+from .untrusted import megatron_file
 
 MODEL_FILE = "model.pt"
 
 
 # ---- loading -----------------------------------------------------------------------------------
 
-_INERT_PREFIXES = ("megatron.", "transformer_engine.", "numpy.")
-_INERT_NAMES = {("argparse", "Namespace"), ("types", "SimpleNamespace"), ("_io", "BytesIO"), ("io", "BytesIO")}
-_PURE = {("_codecs", "encode"): __import__("codecs").encode, ("builtins", "set"): set,
-         ("builtins", "frozenset"): frozenset}
-_inert_types: dict[tuple[str, str], type] = {}
-
-
-class _MegatronUnpickler(RestrictedUnpickler):
-    """safe_unpickle's allow-list, plus inert stand-ins for what Megatron files carry beside tensors
-    (the `args` Namespace, enums, TransformerEngine's BytesIO extra state): they become `Record`s
-    that only hold their pickled fields; nothing of theirs is ever imported or called."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in _PURE:
-            return _PURE[(module, name)]
-        if (module, name) in _INERT_NAMES or module.startswith(_INERT_PREFIXES):
-            return _inert_types.setdefault((module, name), type(name, (Record,), {"__module__": "inert." + module}))
-        return super().find_class(module, name)
-
-
-def _load_pickle(path: str):
-    import types
-
-    module = types.SimpleNamespace(Unpickler=_MegatronUnpickler, load=lambda f, **kw: _MegatronUnpickler(f, **kw).load(),
-                                   __name__="megatron_restricted_pickle")
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True, pickle_module=module)
-
-
 def load_model_file(path: str, shown_as: str):
-    """A `model.pt`, tensors mmapped: `weights_only` first, then the Megatron allow-list."""
-    return load_untrusted(path, shown_as, restricted=_load_pickle)
+    """A `model.pt` (or dist_ckpt `common.pt`) through the Megatron allow-list (`untrusted.megatron_file`):
+    tensors are torch tensors over a private mapping of the file, bounded by their own zip member;
+    the `args` Namespace, enums and TransformerEngine extra state are inert records. torch.load is
+    not used: it reads a storage past its member and lets a pickle allocate (`torch.Tensor(n)`)."""
+    return torchfile.load(path, shown_as, allowed=megatron_file(), copy_on_write=True)
 
 
 def model_chunks(obj, shown_as: str) -> list[dict[str, torch.Tensor]]:
