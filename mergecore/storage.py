@@ -53,14 +53,15 @@ class ReadRetries:
 
     @classmethod
     def from_env(cls) -> ReadRetries:
-        return cls(_env_number("CKPTFLOW_READ_RETRIES", cls.retries, int),
-                   _env_number("CKPTFLOW_READ_BACKOFF", cls.backoff_s, float))
+        return cls(env_number("CKPTFLOW_READ_RETRIES", cls.retries, int),
+                   env_number("CKPTFLOW_READ_BACKOFF", cls.backoff_s, float))
 
     def delay(self, attempt: int) -> float:
         return self.backoff_s * 2 ** attempt
 
 
-def _env_number(name: str, default, kind):
+def env_number(name: str, default, kind):
+    """A non-negative number from the environment variable `name` (unset or empty: `default`)."""
     text = os.environ.get(name, "").strip()
     if not text:
         return default
