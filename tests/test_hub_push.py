@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 
@@ -203,3 +204,39 @@ def test_the_token_never_leaks(hub, cli, demo, tmp_path, monkeypatch, caplog, qu
         assert secret not in "".join(outputs) + caplog.text
         assert secret.encode() not in written + pushed
     assert "README.md" in hub.files("alice/leak-check")
+
+
+def test_the_token_never_leaks_from_a_promotion(prefect_server, hub, cli, demo, tmp_path, monkeypatch, caplog,
+                                               quick_hub_retries):
+    """`ckptflow promote` on a real Prefect server whose push fails (persistent 503): the token is nowhere in the
+    output, the files, the artifacts, the logs, the run states or the server's database. (A successful
+    promotion's artifacts are checked in test_pipeline; its push is the same `push_folder` call.)"""
+    import json
+    import logging
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import get_current_settings
+
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("CKPTFLOW_HUB_RETRIES", "1")
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    hub.tokens[SECRET] = "alice"
+    ckpt = demo("fsdp2-w2")
+    hub.fail_next("POST", r"/commit/", 503, times=1000, headers={"Retry-After": "0"})
+    failed = cli("promote", ckpt.run_root, "--target", tmp_path / "failed", "--hub-repo", "alice/promoted-later")
+    assert failed.exit_code == 2 and "HTTP 503" in failed.stderr
+
+    with get_client(sync_client=True) as client:
+        recorded = [a.data for a in client.read_artifacts()]
+        recorded += [log.message for log in client.read_logs()]
+        runs = client.read_flow_runs() + client.read_task_runs()
+        recorded += [(r.name, r.parameters if hasattr(r, "parameters") else None, r.state and r.state.message)
+                     for r in runs]
+    assert any("HTTP 503" in str(item) for item in recorded)  # the failure did reach the server
+    texts = failed.output + caplog.text + json.dumps(recorded, default=str)
+    assert SECRET not in texts
+    written = b"".join(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())  # targets, results, HF_HOME
+    assert SECRET.encode() not in written
+    database = get_current_settings().server.database.connection_url.get_secret_value()
+    files = list(Path(database.split("///", 1)[-1]).parent.glob("*.db*")) if "sqlite" in database else []
+    assert files and SECRET.encode() not in b"".join(f.read_bytes() for f in files)
