@@ -1,18 +1,81 @@
 """Where checkpoints live: any fsspec URL, read through one small `Location` type.
 
-Local files are used in place (so torch can mmap them). Remote files are copied once into a
-local cache folder and mmapped from there: disk, not RAM, holds them.
+Local files are used in place (so they can be mmapped). Remote files are copied into a local cache
+folder and mmapped from there: disk, not RAM, holds them. A copy is named after the URL *and* the
+file's fingerprint (size + etag/mtime), so a file rewritten at the same URL is fetched again and
+never read stale; copies are downloaded under a temporary name, checked for size and renamed into
+place, so an interrupted download is never trusted.
+
+Remote reads are retried on transient errors (network, throttling: OSError subclasses other than
+"not found" / "permission denied"), `CKPTFLOW_READ_RETRIES` times (default 3) with exponential backoff
+from `CKPTFLOW_READ_BACKOFF` seconds (default 0.5); then `RemoteReadError`, one line naming the file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import posixpath
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+from .errors import CheckpointError
+
+T = TypeVar("T")
+
+# Errors that retrying cannot fix: the file is not there, or we may not read it.
+PERMANENT_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+FINGERPRINT_FIELDS = ("size", "mtime", "ETag", "etag", "LastModified", "last_modified", "checksum", "md5")
+PARTIAL_MARK = ".partial-"
+
+
+class RemoteReadError(CheckpointError, OSError):
+    """A remote read still failing after the retry budget.
+
+    A CheckpointError, so the CLI prints its one line and exits 2; an OSError too, so the pipeline's
+    merge task (which retries OSError) tries the group again later.
+    """
+
+
+@dataclass(frozen=True)
+class ReadRetries:
+    """How often and how patiently remote reads are retried (from the environment)."""
+
+    retries: int = 3
+    backoff_s: float = 0.5
+
+    @classmethod
+    def from_env(cls) -> ReadRetries:
+        return cls(env_number("CKPTFLOW_READ_RETRIES", cls.retries, int),
+                   env_number("CKPTFLOW_READ_BACKOFF", cls.backoff_s, float))
+
+    def delay(self, attempt: int) -> float:
+        return self.backoff_s * 2 ** attempt
+
+
+def env_number(name: str, default, kind):
+    """A non-negative number from the environment variable `name` (unset or empty: `default`)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise CheckpointError(f"{name}={text!r}: not a non-negative {kind.__name__}; fix or unset it")
+    return value
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("CKPTFLOW_CACHE", "~/.cache/ckptflow")).expanduser()
 
 
 @dataclass(frozen=True)
@@ -59,44 +122,129 @@ class Location:
 
     def exists(self) -> bool:
         fs, path = self._fs_path
-        return fs.exists(path)
+        return self._reading(fs, "check", lambda: fs.exists(path))
 
     def isdir(self) -> bool:
         fs, path = self._fs_path
-        return fs.isdir(path)
+        return self._reading(fs, "check", lambda: fs.isdir(path))
 
     def listdir(self) -> list[str]:
-        """Names (not paths) of the entries in this folder, sorted."""
+        """Names (not paths) of the entries in this folder, sorted (listed afresh, never from a listing cache)."""
         fs, path = self._fs_path
-        if not fs.isdir(path):
-            return []
-        return sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(path, detail=False))
+
+        def listed() -> list[str]:
+            fs.invalidate_cache(path)  # s3fs & co. keep listings: a rewritten file would keep its old etag
+            if not fs.isdir(path):
+                return []
+            return sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(path, detail=False))
+
+        return self._reading(fs, "list", listed)
 
     def open(self, mode: str = "rb"):
+        """A file object; remote files are read from their verified local copy (see `local_file`)."""
         fs, path = self._fs_path
+        if mode == "rb" and not isinstance(fs, LocalFileSystem):
+            return open(self.local_file(), "rb")
         return fs.open(path, mode)
 
+    def read_bytes(self) -> bytes:
+        fs, path = self._fs_path
+        return self._reading(fs, "read", lambda: fs.cat_file(path))
+
     def read_text(self) -> str:
-        with self.open("rb") as f:
-            return f.read().decode("utf-8")
+        return self.read_bytes().decode("utf-8")
 
     def info(self) -> dict:
         fs, path = self._fs_path
-        return fs.info(path)
+        return self._reading(fs, "stat", lambda: fs.info(path))
 
     def fingerprint(self) -> dict:
         """What identifies this file's content cheaply: size plus mtime, etag or checksum."""
-        info = self.info()
-        keep = ("size", "mtime", "ETag", "etag", "LastModified", "last_modified", "checksum", "md5")
-        return {k: str(info[k]) for k in keep if k in info}
+        return _identity(self.info())
 
     def local_file(self, cache_dir: str | os.PathLike | None = None) -> str:
-        """A path on local disk with this file's bytes (remote files are cached once)."""
+        """A path on local disk with this file's current bytes (remote files: a verified cached copy).
+
+        >>> Location.of("/tmp/x.pt").local_file()
+        '/tmp/x.pt'
+        """
         fs, path = self._fs_path
         if isinstance(fs, LocalFileSystem):
             return path
-        cache = os.fspath(cache_dir or Path(os.environ.get("CKPTFLOW_CACHE", "~/.cache/ckptflow")).expanduser())
-        return fsspec.open_local(f"filecache::{self.url}", filecache={"cache_storage": cache})
+        folder = Path(cache_dir) if cache_dir else default_cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        return self._reading(fs, "download", lambda: self._cached_copy(fs, path, folder))
+
+    # ---- remote copies ------------------------------------------------------------------------
+
+    def _cached_copy(self, fs: fsspec.AbstractFileSystem, path: str, folder: Path) -> str:
+        info = self._fresh_info(fs, path)
+        copy = folder / self._copy_name(_identity(info))
+        size = info.get("size")
+        if copy.is_file() and (size is None or copy.stat().st_size == size):
+            return str(copy)
+        handle, partial = tempfile.mkstemp(dir=folder, prefix=copy.name + PARTIAL_MARK)
+        os.close(handle)
+        try:
+            fs.get_file(path, partial)
+            got = os.path.getsize(partial)
+            if size is not None and got != size:
+                raise OSError(f"download stopped at {got} of {size} bytes")
+            if _identity(self._fresh_info(fs, path)) != _identity(info):
+                raise OSError("the file changed while it was being copied")
+            os.replace(partial, copy)
+        finally:
+            Path(partial).unlink(missing_ok=True)
+        self._drop_older_copies(folder, copy)
+        return str(copy)
+
+    def _url_key(self) -> str:
+        return hashlib.sha256(self.url.encode()).hexdigest()[:20]
+
+    def _copy_name(self, identity: dict) -> str:
+        content_key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+        return f"{self._url_key()}-{content_key}-{self.name}"
+
+    def _drop_older_copies(self, folder: Path, current: Path) -> None:
+        # Copies of earlier versions of this URL; unlinking is safe even while another reader maps one.
+        for old in folder.glob(f"{self._url_key()}-*"):
+            if old != current and PARTIAL_MARK not in old.name:
+                old.unlink(missing_ok=True)
+
+    @staticmethod
+    def _fresh_info(fs: fsspec.AbstractFileSystem, path: str) -> dict:
+        fs.invalidate_cache(path)
+        return fs.info(path)
+
+    # ---- retries ------------------------------------------------------------------------------
+
+    def _reading(self, fs: fsspec.AbstractFileSystem, doing: str, call: Callable[[], T]) -> T:
+        """`call()`, retried on transient errors when this location is remote."""
+        if isinstance(fs, LocalFileSystem):
+            return call()
+        policy = ReadRetries.from_env()
+        for attempt in range(policy.retries + 1):
+            try:
+                return call()
+            except (CheckpointError, *PERMANENT_ERRORS):
+                raise
+            except OSError as error:
+                failure = error
+                if attempt < policy.retries:
+                    time.sleep(policy.delay(attempt))
+        raise RemoteReadError(
+            f"{self.url}: {doing} failed {policy.retries + 1} times ({_one_line(failure)}); check the storage "
+            "service and network and run again (more patience: CKPTFLOW_READ_RETRIES, CKPTFLOW_READ_BACKOFF)"
+        )
 
     def __str__(self) -> str:
         return self.url
+
+
+def _identity(info: dict) -> dict:
+    return {k: str(info[k]) for k in FINGERPRINT_FIELDS if k in info}
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -58,6 +58,8 @@ API:
     .files(repo_id, revision="main", repo_type="model")          -> dict[path, bytes] (revision: branch/tag/sha)
     .repo(repo_id, repo_type="model")                            -> live Repo (branches, tags, lfs_objects)
     .fail_next(method, path_regex, status, times=1, headers=None) -> next matching requests get `status`
+    .drop_next(method, path_regex, times=1)                      -> next matching requests: connection closed
+                                                                    without an answer (logged with status 0)
     .requests                                                    -> list[RequestRecord(method, path, status)]
     .server_errors                                               -> tracebacks of handler crashes (answered 501,
                                                                     which the client does not retry)
@@ -101,6 +103,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple
 from urllib.parse import parse_qs, unquote, urlencode, urlsplit
 
+DROPPED = 0  # status of an injected failure that closes the connection without answering
 LFS_SIZE_THRESHOLD = 10 * 1024 * 1024  # the Hub stores anything this big in LFS
 REPO_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space", "kernels": "kernel"}
 URL_PREFIXES = {"model": "", "dataset": "datasets/", "space": "spaces/", "kernel": "kernels/"}
@@ -493,6 +496,11 @@ class HubServer:
                 _InjectedFailure(method.upper(), re.compile(path_regex), status, times, dict(headers or {}))
             )
 
+    def drop_next(self, method: str, path_regex: str, times: int = 1) -> None:
+        """Close the connection of the next `times` matching requests without answering (body already read),
+        as a dying proxy or network would: the client sees "Server disconnected without sending a response"."""
+        self.fail_next(method, path_regex, DROPPED, times)
+
     @property
     def requests(self) -> list[RequestRecord]:
         with self._lock:
@@ -521,6 +529,9 @@ class HubServer:
 
         with self._lock:
             self._log.append(RequestRecord(method, path, reply.status))
+        if reply.status == DROPPED:
+            handler.close_connection = True
+            return
         handler.send_response(reply.status)
         for name, value in reply.headers.items():
             handler.send_header(name, value)

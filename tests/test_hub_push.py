@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import pytest
 
 from mergecore import CheckpointError, merge_checkpoint
@@ -77,3 +80,163 @@ def test_merge_cli_upload_flags(hub, cli, demo, tmp_path):
     card = hub.files("alice/from-cli", revision="step-1")["README.md"].decode()
     assert card.startswith("---\nlibrary_name: transformers\n") and "| round-trip | passed |" in card
     assert "| world size | 2 |" in card
+
+
+# ---- faults: throttling, server errors, dropped connections, and the token
+
+def folder_files(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+@pytest.fixture
+def quick_hub_retries(monkeypatch):
+    monkeypatch.setenv("CKPTFLOW_HUB_BACKOFF", "0.01")
+
+
+@pytest.fixture(scope="module")
+def merged_in_shards(demo, tmp_path_factory):
+    """The same checkpoint as `merged`, in bf16 and several shards: other LFS objects to upload."""
+    target = tmp_path_factory.mktemp("sharded") / "model"
+    merge_checkpoint(str(demo("fsdp2-w2").role_dir), target, dtype="bf16", max_shard_size="100KB")
+    assert len(list(target.glob("*.safetensors"))) > 1
+    return target
+
+
+def test_throttled_and_failing_calls_are_retried_until_the_push_completes(hub, merged, quick_hub_retries):
+    folder, _ = merged
+    retry_now = {"Retry-After": "0"}
+    # Retried by huggingface_hub itself (about 1 s each):
+    hub.fail_next("POST", r"/preupload/", 429, headers=retry_now)
+    hub.fail_next("POST", r"\.git/info/lfs/objects/batch$", 503)
+    hub.fail_next("PUT", r"^/_lfs/upload/", 503)
+    hub.fail_next("GET", r"/tree/", 429, headers=retry_now)
+    # Sent once by the client, retried by push_folder:
+    hub.fail_next("POST", r"^/api/repos/create$", 429, headers=retry_now)
+    hub.fail_next("GET", r"^/api/models/alice/faulty/revision/", 502)
+    hub.fail_next("POST", r"/branch/step-1$", 503)
+    hub.fail_next("POST", r"/commit/step-1$", 503, times=2, headers=retry_now)
+    hub.fail_next("POST", r"/tag/step-1$", 500)
+
+    pushed = push_folder(folder, "alice/faulty", revision="step-1", tag="v1")
+
+    assert [f.remaining for f in hub._failures] == [0] * 9  # every fault was met
+    assert sorted(r.status for r in hub.requests if r.status >= 400 and r.status != 404) == [429, 429, 429, 500, 502, 503, 503, 503,
+                                                                       503, 503]
+    assert pushed["new_commit"]
+    files = hub.files("alice/faulty", revision="v1")
+    assert {k: v for k, v in files.items() if k != ".gitattributes"} == folder_files(folder)
+    assert len(hub.commits("alice/faulty", branch="step-1")) == 2  # the initial commit + exactly one push
+
+
+def test_persistent_503_is_one_line_and_exit_2(hub, cli, demo, tmp_path, monkeypatch, quick_hub_retries):
+    monkeypatch.setenv("CKPTFLOW_HUB_RETRIES", "2")
+    hub.fail_next("POST", r"/commit/main$", 503, times=1000, headers={"Retry-After": "0"})
+    result = cli("merge", "--local_dir", demo("fsdp2-w2").role_dir, "--target_dir", tmp_path / "out",
+                 "--hf_upload_path", "alice/unavailable")
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]  # beside progress bars
+    assert len(errors) == 1 and "alice/unavailable: HTTP 503" in errors[0] and errors[0].endswith("(the branch is unchanged)")
+    assert sum("/commit/" in r.path for r in hub.requests) == 3  # one try + CKPTFLOW_HUB_RETRIES
+    assert [c.title for c in hub.commits("alice/unavailable")] == ["initial commit"]
+
+
+@pytest.mark.parametrize("fault", ["503", "dropped"])
+def test_interrupted_push_changes_nothing_and_the_next_push_completes(hub, merged, merged_in_shards, fault,
+                                                                      quick_hub_retries):
+    from huggingface_hub import HfApi
+
+    folder, _ = merged
+    first = push_folder(folder, "alice/model", revision="step-1")
+    old_files = hub.files("alice/model", revision="step-1")
+
+    # The new shards reach the server, then every commit request fails or loses its connection.
+    if fault == "503":
+        hub.fail_next("POST", r"/commit/step-1$", 503, times=1000, headers={"Retry-After": "0"})
+    else:
+        hub.drop_next("POST", r"/commit/step-1$", times=1000)
+    with pytest.raises(CheckpointError, match="HTTP 503" if fault == "503" else "connection failed") as failed:
+        push_folder(merged_in_shards, "alice/model", revision="step-1")
+    assert "\n" not in str(failed.value)
+    new_shards = {hashlib.sha256(p.read_bytes()).hexdigest() for p in merged_in_shards.glob("*.safetensors")}
+    assert new_shards <= set(hub.repo("alice/model").lfs_objects)  # uploads happened before the interruption
+    assert hub.repo("alice/model").branches["step-1"] == first["commit"]
+    assert hub.files("alice/model", revision="step-1") == old_files
+
+    hub._failures.clear()  # the service is back
+    seen = len(hub.requests)
+    second = push_folder(merged_in_shards, "alice/model", revision="step-1")
+    assert second["new_commit"] and second["commit"] != first["commit"]
+    assert not any(r.method == "PUT" for r in hub.requests[seen:])  # the shards were not sent again
+    files = hub.files("alice/model", revision="step-1")
+    assert {k: v for k, v in files.items() if k != ".gitattributes"} == folder_files(merged_in_shards)
+    check = HfApi().verify_repo_checksums("alice/model", revision="step-1", local_dir=merged_in_shards)
+    assert check.mismatches == [] and check.extra_paths == []
+
+
+SECRET = "hf_SECRETtoken123"
+
+
+def test_the_token_never_leaks(hub, cli, demo, tmp_path, monkeypatch, caplog, quick_hub_retries):
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("CKPTFLOW_HUB_RETRIES", "1")
+    hub.tokens.update({SECRET: "alice", "hf_SECRETbob456": "bob"})
+    source = demo("fsdp2-w2").role_dir
+    outputs = []
+
+    def merge_and_push(run: str, token: str, repo: str) -> int:
+        monkeypatch.setenv("HF_TOKEN", token)
+        result = cli("merge", "--local_dir", source, "--target_dir", tmp_path / run, "--hf_upload_path", repo)
+        outputs.append(result.stdout + result.stderr)
+        return result.exit_code
+
+    assert merge_and_push("ok", SECRET, "alice/leak-check") == 0
+    assert merge_and_push("unknown-token", "hf_SECRETwrong789", "alice/leak-check2") == 2  # 401
+    assert merge_and_push("forbidden", "hf_SECRETbob456", "alice/leak-check") == 2  # 403: alice's repo
+    hub.fail_next("POST", r"/commit/", 503, times=1000, headers={"Retry-After": "0"})
+    assert merge_and_push("unavailable", SECRET, "alice/leak-check3") == 2
+    assert [s for s in ("401", "403", "503") if any(f"HTTP {s}" in o for o in outputs)] == ["401", "403", "503"]
+
+    written = b"".join(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())  # targets, HF_HOME, caches
+    pushed = b"".join(hub.files("alice/leak-check").values())
+    for secret in (SECRET, "hf_SECRETwrong789", "hf_SECRETbob456"):
+        assert secret not in "".join(outputs) + caplog.text
+        assert secret.encode() not in written + pushed
+    assert "README.md" in hub.files("alice/leak-check")
+
+
+def test_the_token_never_leaks_from_a_promotion(prefect_server, hub, cli, demo, tmp_path, monkeypatch, caplog,
+                                               quick_hub_retries):
+    """`ckptflow promote` on a real Prefect server whose push fails (persistent 503): the token is nowhere in the
+    output, the files, the artifacts, the logs, the run states or the server's database. (A successful
+    promotion's artifacts are checked in test_pipeline; its push is the same `push_folder` call.)"""
+    import json
+    import logging
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import get_current_settings
+
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("CKPTFLOW_HUB_RETRIES", "1")
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    hub.tokens[SECRET] = "alice"
+    ckpt = demo("fsdp2-w2")
+    hub.fail_next("POST", r"/commit/", 503, times=1000, headers={"Retry-After": "0"})
+    failed = cli("promote", ckpt.run_root, "--target", tmp_path / "failed", "--hub-repo", "alice/promoted-later")
+    assert failed.exit_code == 2 and "HTTP 503" in failed.stderr
+
+    with get_client(sync_client=True) as client:
+        recorded = [a.data for a in client.read_artifacts()]
+        recorded += [log.message for log in client.read_logs()]
+        runs = client.read_flow_runs() + client.read_task_runs()
+        recorded += [(r.name, r.parameters if hasattr(r, "parameters") else None, r.state and r.state.message)
+                     for r in runs]
+    assert any("HTTP 503" in str(item) for item in recorded)  # the failure did reach the server
+    texts = failed.output + caplog.text + json.dumps(recorded, default=str)
+    assert SECRET not in texts
+    written = b"".join(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())  # targets, results, HF_HOME
+    assert SECRET.encode() not in written
+    database = get_current_settings().server.database.connection_url.get_secret_value()
+    files = list(Path(database.split("///", 1)[-1]).parent.glob("*.db*")) if "sqlite" in database else []
+    assert files and SECRET.encode() not in b"".join(f.read_bytes() for f in files)

@@ -254,3 +254,18 @@ def test_listings_follow_pagination_on_dataset_repos(tmp_path, monkeypatch, mode
         path = hf_hub_download("alice/data", "config.json", repo_type="dataset", token=ALICE)
         assert json.loads(Path(path).read_text()) == {"step": 2}
         assert small_pages.server_errors == []
+
+
+def test_dropped_connections(hub, alice, model_dir):
+    import httpx2
+
+    alice.create_repo(REPO)
+    hub.drop_next("POST", r"/preupload/")  # the client retries a dropped preupload...
+    hub.drop_next("POST", r"/commit/main$")  # ...but sends the commit only once
+    with pytest.raises(httpx2.RemoteProtocolError):
+        alice.upload_folder(repo_id=REPO, folder_path=model_dir)
+    assert statuses(hub, "POST", "/preupload/") == [0, 200]
+    assert statuses(hub, "POST", "/commit/") == [0]
+    assert len(hub.commits(REPO)) == 1  # nothing was committed
+    alice.upload_folder(repo_id=REPO, folder_path=model_dir)  # the connection pool recovers
+    assert len(hub.commits(REPO)) == 2 and hub.server_errors == []

@@ -50,3 +50,87 @@ def test_merge_from_s3_run_root(s3_env, demo, tmp_path):
     assert manifest["source"]["step"] == 1
     assert compare_with_reference(tmp_path / "out", ckpt.reference_dir)["max_abs_diff"] == 0.0
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (ckpt.role_dir / "huggingface" / "tokenizer.json").read_bytes()
+
+
+def resaved_with_other_values(rank_file, target):
+    """`rank_file` re-saved by torch with every local shard + 1: same names, shapes and layout, new values."""
+    import torch
+    import torch.distributed.tensor  # noqa: F401  (DTensor's unpickling needs it)
+
+    state = torch.load(rank_file, map_location="cpu", weights_only=True)
+    for value in state.values():
+        value.to_local().add_(1.0)
+    torch.save(state, target)
+    return target
+
+
+def full_tensors(rank_files) -> dict:
+    """Global tensors from real FSDP2 rank files as torch.load reads them: local shards concatenated on dim 0."""
+    import torch
+    import torch.distributed.tensor  # noqa: F401  (DTensor's unpickling needs it)
+
+    states = [torch.load(f, map_location="cpu", weights_only=True) for f in rank_files]
+    out = {}
+    for name, first in states[0].items():
+        assert first.placements == (torch.distributed.tensor.Shard(0),), name  # what fsdp2-w2 is made of
+        out[name] = torch.cat([state[name].to_local() for state in states])
+    return out
+
+
+def merged_tensors(folder) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+def test_rank_file_rewritten_at_the_same_url_is_read_anew(s3_env, s3_endpoint, demo, tmp_path):
+    from mergecore import open_checkpoint, verify_round_trip
+
+    ckpt = demo("fsdp2-w2")
+    rank0 = "model_world_size_2_rank_0.pt"
+    s3_env.put(str(ckpt.role_dir), "ckpts/run2/actor", recursive=True)
+    url = "s3://ckpts/run2/actor"
+
+    merge_checkpoint(url, tmp_path / "before", dtype="keep")
+    old = full_tensors([ckpt.role_dir / rank0, ckpt.role_dir / "model_world_size_2_rank_1.pt"])
+    before = merged_tensors(tmp_path / "before")
+    assert all(before[name].equal(value) for name, value in old.items())
+    opened_before = open_checkpoint(url)
+    opened_before.tensors()  # mapped the old copy
+
+    # Another client rewrites rank 0 (a separate s3fs instance: ours keeps its listing cache).
+    new_rank0 = resaved_with_other_values(ckpt.role_dir / rank0, tmp_path / rank0)
+    writer = s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True)
+    writer.put(str(new_rank0), f"ckpts/run2/actor/{rank0}")
+
+    manifest = merge_checkpoint(url, tmp_path / "after", dtype="keep")  # same cache folder (CKPTFLOW_CACHE)
+    expected = full_tensors([new_rank0, ckpt.role_dir / "model_world_size_2_rank_1.pt"])
+    after = merged_tensors(tmp_path / "after")
+    assert set(after) == set(expected)
+    for name, value in expected.items():
+        assert after[name].equal(value), name
+    assert any(not after[name].equal(before[name]) for name in expected)  # the rewrite did change values
+    assert [c["ok"] for c in manifest["verification"] if c["check"] == "round-trip"] == [True]
+    assert verify_round_trip(open_checkpoint(url), tmp_path / "after", manifest.get("aliases", {}))["ok"]
+
+    # The copy of the old version is gone; one copy per URL stays.
+    cached = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert sum(name.endswith(rank0) for name in cached) == 1
+    assert not any(".partial-" in name for name in cached)
+
+
+def test_truncated_cached_copy_is_fetched_again(s3_env, demo, tmp_path):
+    ckpt = demo("fsdp2-w2")
+    s3_env.put(str(ckpt.role_dir), "ckpts/run3/actor", recursive=True)
+    merge_checkpoint("s3://ckpts/run3/actor", tmp_path / "first", dtype="keep")
+    copies = sorted((tmp_path / "cache").glob("*-model_world_size_2_rank_*.pt"))
+    assert len(copies) == 2
+    with open(copies[0], "r+b") as f:  # as if a non-atomic writer had been killed halfway
+        f.truncate(copies[0].stat().st_size // 2)
+
+    merge_checkpoint("s3://ckpts/run3/actor", tmp_path / "second", dtype="keep")
+    assert compare_with_reference(tmp_path / "second", ckpt.reference_dir)["max_abs_diff"] == 0.0
+    assert copies[0].stat().st_size == (ckpt.role_dir / copies[0].name.split("-", 2)[2]).stat().st_size
