@@ -94,7 +94,7 @@ def test_quick_manifest_check_notices_a_rewritten_file(demo, tmp_path):
 
 def test_megatron_legacy_through_the_cli(cli, tmp_path):
     from mergecore import compare_with_reference
-    from mergecore.megatron_fixtures import write_megatron_checkpoint
+    from ckptflow_testing.megatron_fixtures import write_megatron_checkpoint
 
     ckpt = write_megatron_checkpoint(tmp_path / "run", "qwen2", tp=2, pp=2)
     result = cli("merge", "--backend", "megatron", "--local_dir", ckpt.run_root, "--target_dir", tmp_path / "out",

@@ -14,7 +14,7 @@ import torch
 from mergecore import CheckpointError, VerificationError, compare_logits, compare_with_reference, merge_checkpoint
 from mergecore import open_checkpoint, prepare, verify_round_trip
 from mergecore.formats.megatron_legacy import MegatronLegacyCheckpoint
-from mergecore.megatron_fixtures import ARCHS, MegatronFixture, write_megatron_checkpoint
+from ckptflow_testing.megatron_fixtures import ARCHS, MegatronFixture, write_megatron_checkpoint
 from weights import load_folder
 
 LAYOUTS = {"tp2": (2, 1, 1), "tp2-pp2": (2, 2, 1), "tp2-pp2-vpp2": (2, 2, 2)}
