@@ -71,10 +71,13 @@ def one_line_error(excinfo) -> str:
 
 # ---- transforms ------------------------------------------------------------------------------
 
-def test_transform_docstrings():
+def test_transform_and_check_docstrings():
+    import mergecore.formats.megatron_checks
     import mergecore.transforms
 
     assert doctest.testmod(mergecore.transforms).failed == 0
+    assert doctest.testmod(mergecore.formats.megatron_checks).attempted
+    assert doctest.testmod(mergecore.formats.megatron_checks).failed == 0
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
