@@ -37,8 +37,8 @@ def checkpoint(work: Path) -> Path:
     import torch
     import transformers
 
-    from mergecore.megatron_dist_fixtures import save_dist, to_dist_state
-    from mergecore.megatron_fixtures import reshard
+    from ckptflow_testing.megatron_dist_fixtures import save_dist, to_dist_state
+    from ckptflow_testing.megatron_fixtures import reshard
 
     config = transformers.Qwen2Config(**CONFIG)
     torch.manual_seed(0)

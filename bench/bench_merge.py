@@ -27,14 +27,14 @@ PYTHON = sys.executable
 
 
 def bench_spec(layers: int):
-    from mergecore.demo_checkpoint import DemoSpec
+    from ckptflow_testing.demo_checkpoint import DemoSpec
 
     return DemoSpec(arch="qwen2", mode="fsdp2", world_size=4, hidden_size=2048, intermediate_size=5632,
                     num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)
 
 
 def checkpoint(work: Path, layers: int) -> Path:
-    from mergecore.demo_checkpoint import write_demo_checkpoint
+    from ckptflow_testing.demo_checkpoint import write_demo_checkpoint
 
     root = work / f"ckpt-{layers}-layers"
     role = root / "global_step_1" / "actor"

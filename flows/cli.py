@@ -316,7 +316,7 @@ def demo_checkpoint(
     tie_word_embeddings: bool = typer.Option(False, "--tie-word-embeddings"),
 ):
     """Train a tiny model for one step with real torch.distributed FSDP and save it as verl does."""
-    from mergecore.demo_checkpoint import DemoSpec, write_demo_checkpoint
+    from ckptflow_testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
 
     spec = DemoSpec(arch=arch, mode=mode, world_size=world_size, num_hidden_layers=layers,
                     tie_word_embeddings=tie_word_embeddings)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mergecore.demo_checkpoint import DemoCheckpoint, DemoSpec, write_demo_checkpoint
+from ckptflow_testing.demo_checkpoint import DemoCheckpoint, DemoSpec, write_demo_checkpoint
 
 # One checkpoint per way verl can save an FSDP model (see shared/FACTS.md).
 VARIANTS = {

@@ -1,16 +1,20 @@
-"""Save tiny megatron-core GPTModels as dist_ckpt (torch_dist) folders on CPU with gloo.
+"""Save tiny megatron-core GPTModels on CPU with gloo: dist_ckpt (torch_dist) folders and legacy verl rank files.
 
 Run as a script (megatron-core's writers spawn processes: needs the __main__ guard):
 
-    python mcore_dist_save.py save OUT_DIR PORT [dense|tied|moe]
+    python mcore_dist_save.py save OUT_DIR PORT [KIND]
         TP=1, one process. Writes OUT_DIR/dist_ckpt, OUT_DIR/params.pt (the model's own state dict, the
         ground truth), OUT_DIR/logits.pt (Megatron's own forward on a fixed prompt; not for moe: the MoE
-        spec's kernels do not run on CPU) and OUT_DIR/huggingface/config.json. tied: embeddings shared
-        with the output layer.
-    python mcore_dist_save.py reshard SOURCE_DIR OUT_DIR PORT TP PP VPP [dense|tied]
-        TP*PP gloo processes build the same model split TP/PP/VPP ways, load SOURCE_DIR/dist_ckpt through
-        megatron-core's own resharding load and save it again: a dist_ckpt as that parallel layout writes
-        it. Without PP, rank 0 also writes OUT_DIR/logits.pt from the TP-parallel forward.
+        spec's kernels do not run on CPU) and OUT_DIR/huggingface/config.json. KIND (see KINDS): dense
+        (Qwen2-like), tied (embeddings shared with the output layer), llama (no qkv bias), qwen3 (q/k
+        norms, head_dim 32), moe (Qwen2-MoE-like).
+    python mcore_dist_save.py reshard SOURCE_DIR DIST_ROLE LEGACY_ROLE PORT TP PP VPP [KIND [stacked|per-layer]]
+        TP*PP gloo processes build the same model split TP/PP/VPP ways and load SOURCE_DIR/dist_ckpt through
+        megatron-core's own resharding load. Each rank then saves it twice, as training at that layout does:
+        DIST_ROLE/dist_ckpt (megatron-core's dist_checkpointing.save; per-layer keys as heterogeneous models
+        write them when asked) and LEGACY_ROLE/model/mp_rank_TT[_PPP]/model.pt (the list of its chunks' own
+        `state_dict()`, as verl's legacy checkpoint manager writes it). Without PP, rank 0 also writes
+        DIST_ROLE/logits.pt from the TP-parallel forward.
 
 Fixture-only patches (shared/FACTS.md): CPU-only torch needs torch.cuda.synchronize / current_device stubs,
 and Tensor.cuda as the identity (tied embeddings under PP move their copy "to the GPU" before syncing it).
@@ -42,6 +46,9 @@ def _start(rank: int, world: int, port: str, tp: int = 1, pp: int = 1, vpp: int 
     parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
 
 
+KINDS = ("dense", "tied", "moe", "llama", "qwen3")  # dense: Qwen2-like (GQA, qkv bias, SwiGLU)
+
+
 def _models(kind: str, tp: int = 1, pp: int = 1, vpp: int = 1) -> list:
     """This rank's model chunks (one per virtual stage)."""
     import torch
@@ -51,19 +58,18 @@ def _models(kind: str, tp: int = 1, pp: int = 1, vpp: int = 1) -> list:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    moe = {}
-    if kind == "moe":
-        moe = dict(add_qkv_bias=True, num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
-                   moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True)
-    else:
-        moe = dict(add_qkv_bias=True)  # Qwen2-like: GQA with qkv bias and SwiGLU
+    extra = {"dense": dict(add_qkv_bias=True), "tied": dict(add_qkv_bias=True), "llama": {},
+             "qwen3": dict(qk_layernorm=True, kv_channels=32),  # head_dim 32 != hidden / heads
+             "moe": dict(add_qkv_bias=True, num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
+                         moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True)}[kind]
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS, ffn_hidden_size=FFN,
         gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, **moe)
-    spec = get_gpt_layer_local_spec(num_experts=moe.get("num_moe_experts"), normalization="RMSNorm")
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, **extra)
+    spec = get_gpt_layer_local_spec(num_experts=extra.get("num_moe_experts"), normalization="RMSNorm",
+                                    qk_layernorm=kind == "qwen3")
     chunks = []
     for v in range(vpp):
         first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v)
@@ -99,6 +105,10 @@ def _hf_config(kind: str) -> dict:
           "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu"}
     if kind == "tied":
         hf.update(tie_word_embeddings=True)
+    if kind == "llama":
+        hf.update(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, mlp_bias=False)
+    if kind == "qwen3":
+        hf.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32, attention_bias=False)
     if kind == "moe":
         hf.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
                   moe_intermediate_size=32, shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])
@@ -128,9 +138,11 @@ def save(out: str, port: str, kind: str = "dense") -> None:
     dist.destroy_process_group()
 
 
-def _reshard_rank(rank: int, source: str, out: str, port: str, tp: int, pp: int, vpp: int, kind: str) -> None:
+def _reshard_rank(rank: int, source: str, dist_role: str, legacy_role: str, port: str, tp: int, pp: int, vpp: int,
+                  kind: str, keys: str) -> None:
+    import torch
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing, parallel_state
 
     _start(rank, tp * pp, port, tp, pp, vpp)
     chunks = _models(kind, tp, pp, vpp)
@@ -140,19 +152,29 @@ def _reshard_rank(rank: int, source: str, out: str, port: str, tp: int, pp: int,
     for key, chunk in keyed.items():
         chunk.load_state_dict(loaded[key], strict=False)  # _extra_state entries are not in the source
     dist.barrier()
-    dist_checkpointing.save({k: c.sharded_state_dict() for k, c in keyed.items()}, os.path.join(out, "dist_ckpt"))
-    if pp == 1:
-        _forward(chunks[0], out)
+    metadata = {"non_homogeneous_layers": keys == "per-layer"}  # per-layer keys, as heterogeneous models save
+    dist_checkpointing.save({k: c.sharded_state_dict(metadata=metadata) for k, c in keyed.items()},
+                            os.path.join(dist_role, "dist_ckpt"))
+    # verl's legacy checkpoint manager: each rank saves its chunks' own state dicts, one list per rank
+    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    folder = os.path.join(legacy_role, "model", f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else ""))
+    os.makedirs(folder, exist_ok=True)
+    torch.save([chunk.state_dict() for chunk in chunks], os.path.join(folder, "model.pt"))
+    if pp == 1 and kind != "moe":
+        _forward(chunks[0], dist_role)
     dist.destroy_process_group()
 
 
-def reshard(source: str, out: str, port: str, tp: str, pp: str, vpp: str, kind: str = "dense") -> None:
+def reshard(source: str, dist_role: str, legacy_role: str, port: str, tp: str, pp: str, vpp: str, kind: str = "dense",
+            keys: str = "stacked") -> None:
     import torch.multiprocessing as mp
 
     tp, pp, vpp = int(tp), int(pp), int(vpp)
-    os.makedirs(os.path.join(out, "dist_ckpt"), exist_ok=True)
-    shutil.copytree(os.path.join(source, "huggingface"), os.path.join(out, "huggingface"), dirs_exist_ok=True)
-    mp.spawn(_reshard_rank, args=(source, out, port, tp, pp, vpp, kind), nprocs=tp * pp, join=True)
+    for role in (dist_role, legacy_role):
+        shutil.copytree(os.path.join(source, "huggingface"), os.path.join(role, "huggingface"), dirs_exist_ok=True)
+    os.makedirs(os.path.join(dist_role, "dist_ckpt"), exist_ok=True)
+    mp.spawn(_reshard_rank, args=(source, dist_role, legacy_role, port, tp, pp, vpp, kind, keys), nprocs=tp * pp,
+             join=True)
 
 
 if __name__ == "__main__":

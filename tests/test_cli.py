@@ -99,7 +99,7 @@ def test_quick_manifest_check_notices_a_rewritten_file(demo, tmp_path):
 
 def test_megatron_legacy_through_the_cli(cli, tmp_path):
     from mergecore import compare_with_reference
-    from mergecore.megatron_fixtures import write_megatron_checkpoint
+    from ckptflow_testing.megatron_fixtures import write_megatron_checkpoint
 
     ckpt = write_megatron_checkpoint(tmp_path / "run", "qwen2", tp=2, pp=2)
     result = cli("merge", "--backend", "megatron", "--local_dir", ckpt.run_root, "--target_dir", tmp_path / "out",
@@ -124,7 +124,7 @@ def test_megatron_legacy_through_the_cli(cli, tmp_path):
 
 def test_backend_megatron_reads_dist_ckpt_as_verl_does(cli, tmp_path):
     from mergecore import compare_with_reference
-    from mergecore.megatron_dist_fixtures import write_dist_checkpoint
+    from ckptflow_testing.megatron_dist_fixtures import write_dist_checkpoint
 
     ckpt = write_dist_checkpoint(tmp_path / "run", "qwen2")
     result = cli("merge", "--backend", "megatron", "--local_dir", ckpt.run_root, "--target_dir", tmp_path / "out",

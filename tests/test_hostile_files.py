@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from conftest import copy_run
 
-from mergecore.megatron_dist_fixtures import write_dist_checkpoint
-from mergecore.megatron_fixtures import write_megatron_checkpoint
+from ckptflow_testing.megatron_dist_fixtures import write_dist_checkpoint
+from ckptflow_testing.megatron_fixtures import write_megatron_checkpoint
 
 # ---- pickles by hand -------------------------------------------------------------------------
 

@@ -1,4 +1,10 @@
-"""Megatron dist_ckpt (torch_dist) checkpoints: HF -> global Megatron tensors in DCP files -> merge is the identity."""
+"""Megatron dist_ckpt (torch_dist) checkpoints: discovery, reading, verification and bad inputs.
+
+Layout evidence (every claimed layout merged to the model's own parameters and logits) comes from real
+megatron-core saves in test_megatron_core_real.py. The synthetic checkpoints here (our transforms run
+backwards, saved with plain torch DCP) supply what a real save cannot: optimizer bytes in the same file,
+odd files, damaged metadata.
+"""
 
 from __future__ import annotations
 
@@ -11,20 +17,19 @@ import pytest
 from conftest import copy_run
 import torch
 
-from mergecore import CheckpointError, VerificationError, compare_logits, compare_with_reference, merge_checkpoint
+from mergecore import CheckpointError, VerificationError, compare_with_reference, merge_checkpoint
 from mergecore import open_checkpoint, prepare, verify_round_trip
 from mergecore.formats.megatron_dist import MegatronDistCheckpoint
-from mergecore.megatron_dist_fixtures import OPTIMIZER_KEY, write_dist_checkpoint
-from mergecore.megatron_fixtures import MegatronFixture
+from ckptflow_testing.megatron_dist_fixtures import OPTIMIZER_KEY, write_dist_checkpoint
+from ckptflow_testing.megatron_fixtures import MegatronFixture
 from weights import load_folder
 
-# name -> (arch, layout, stacked layer axis)
+# name -> (arch, layout, stacked layer axis): synthetic inputs for the reading, fault and bad-input tests below
 CASES = {
     "llama": ("llama", "verl091", True),
     "qwen2": ("qwen2", "verl091", True),
     "qwen3-per-layer-old": ("qwen3", "old", False),
     "qwen2_moe": ("qwen2_moe", "verl091", True),
-    "qwen3_moe-per-layer-old": ("qwen3_moe", "old", False),
     "llama-tied-old": ("llama-tied", "old", True),
     "critic": ("critic", "verl091", True),
 }
@@ -85,22 +90,17 @@ def mapped_bytes(folder: Path) -> int:
 
 # ---- merging ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_merge_is_the_identity(case, dist, tmp_path):
-    ckpt = dist(case)
+def test_value_head_is_the_output_layer(dist, tmp_path):
+    """A critic's `output_layer.weight` [1, hidden] becomes `score.weight`, read here with torch's own DCP loader."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = dist("critic")
+    raw = {"output_layer.weight": torch.empty(1, 64)}
+    dcp.load(raw, checkpoint_id=str(dist_dir(ckpt)), no_dist=True)
     manifest = merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="keep")
-    assert compare_with_reference(tmp_path / "out", ckpt.reference_dir)["max_abs_diff"] == 0.0
-    assert manifest["source"]["format"] == "verl-megatron-dist"
-    assert manifest["source"]["stacked_layers"] == CASES[case][2]
-    check = manifest["verification"][0]
-    assert check["ok"] and check["pieces"] == check["tensors"]
-
-
-@pytest.mark.parametrize("case", ["qwen3-per-layer-old", "qwen2_moe", "llama-tied-old", "critic"])
-def test_logits_equal_the_source_model(case, dist, tmp_path):
-    ckpt = dist(case)
-    merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="keep")
-    assert compare_logits(tmp_path / "out", ckpt.reference_dir)["max_abs_diff"] == 0.0
+    merged = load_folder(tmp_path / "out")
+    assert "lm_head.weight" not in merged and torch.equal(merged["score.weight"], raw["output_layer.weight"])
+    assert manifest["verification"][0]["ok"]
 
 
 def test_tied_embeddings_have_no_output_layer(dist):
@@ -183,15 +183,6 @@ def test_input_files_come_from_the_storage_index(dist):
     files = source.input_files(["model.layers.1.mlp.up_proj.weight"])
     assert [Path(str(f)) for f in files] == [dist_dir(ckpt) / "__0_0.distcp"]
     assert source.input_files() == files
-
-
-def test_bf16_output_is_the_cast_source(dist, tmp_path):
-    ckpt = dist("qwen2")
-    merge_checkpoint(str(ckpt.role_dir), tmp_path / "out", dtype="bf16")
-    ours, reference = load_folder(tmp_path / "out"), load_folder(ckpt.reference_dir)
-    assert sorted(ours) == sorted(reference)
-    for name, tensor in reference.items():
-        assert torch.equal(ours[name], tensor.to(torch.bfloat16)), name
 
 
 # ---- verification ----------------------------------------------------------------------------

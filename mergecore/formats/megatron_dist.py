@@ -50,6 +50,7 @@ from ..transforms import Transform, VocabParallel, make_transform
 from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from . import torchfile
 from .detect import DIST_METADATA_FILE, dist_ckpt_dir
+from .megatron_checks import check_layers, check_moe
 from .untrusted import AllowListUnpickler, Refused, check_plain_fields, dcp_metadata
 
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "encoder.", "mtp.")
@@ -203,7 +204,6 @@ class MegatronDistCheckpoint(CheckpointSource):
                 "the actor/critic folder of a verl Megatron dist_ckpt checkpoint"
             )
         self.dist_dir = dist
-        self.model_dir = dist  # for messages shared with the legacy reader's checks
         self._chunks: dict[tuple[str, int], np.ndarray] = {}  # (file, byte offset) -> mapped chunk
         if hf_dir is None:
             candidates = [dist.parent.join("huggingface"), location.join("huggingface"), location.join("model", "huggingface")]
@@ -463,8 +463,6 @@ class MegatronDistCheckpoint(CheckpointSource):
 
     def validate(self, check_replicas: bool = False) -> None:
         """Metadata against config.json (layers, heads, hidden size, vocab), mapping, storage index."""
-        from .megatron_legacy import MegatronLegacyCheckpoint
-
         config = self.config
         shown = self.dist_dir.join(DIST_METADATA_FILE)
         where = self.hf_dir.join("config.json")
@@ -504,8 +502,8 @@ class MegatronDistCheckpoint(CheckpointSource):
                 )
             if transform.kind == "gated" and s.shape[0] % 2:
                 raise CheckpointError(f"{shown}: {s.key} has an odd number of rows, not [gate; up]")
-        MegatronLegacyCheckpoint._check_layers(self, config)
-        MegatronLegacyCheckpoint._check_moe(self, config)
+        check_layers(entries, config, self.dist_dir, where)
+        check_moe(self.tensors(), config, self.dist_dir, where)
         self._chunk_files  # noqa: B018 - every model chunk has a storage entry
         missing = sorted({info.relative_path for chunks in self._chunk_files.values() for _, _, info in chunks
                           if not self.dist_dir.join(info.relative_path).exists()})

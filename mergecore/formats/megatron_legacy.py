@@ -30,6 +30,7 @@ from ..transforms import Replicated, ReplicatedGatedMLP, Transform, VocabParalle
 from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from .detect import MP_RANK_DIR
 from . import torchfile
+from .megatron_checks import check_layers, check_moe
 from .untrusted import megatron_file
 
 MODEL_FILE = "model.pt"
@@ -395,9 +396,9 @@ class MegatronLegacyCheckpoint(CheckpointSource):
         for name, entry in entries.items():
             if entry.transform.replicated:
                 self._check_replicated(entry)
-        self._check_layers(config)
-        self._check_moe(config)
-        self.tensors()
+        config_file = self.hf_dir.join("config.json")
+        check_layers(self._entries, config, self.model_dir, config_file)
+        check_moe(self.tensors(), config, self.model_dir, config_file)
 
     def _check_divisible(self, config: dict) -> None:
         where = self.hf_dir.join("config.json")
@@ -484,69 +485,6 @@ class MegatronLegacyCheckpoint(CheckpointSource):
                 raise CheckpointError(
                     f"{self._shown(t, entry.pp)}: {entry.key} differs from its copy in {self._shown(0, entry.pp)} "
                     "(TP-replicated tensors must be equal); the rank files come from different saves: re-copy them"
-                )
-
-    def _check_layers(self, config: dict) -> None:
-        from ..layout import layer_index
-
-        by_layer: dict[int, set[str]] = {}
-        for name in self._entries:
-            layer = layer_index(name)
-            if layer is not None:
-                by_layer.setdefault(layer, set()).add(re.sub(r"layers\.\d+\.", "layers.{}.", name, count=1))
-        expected = config.get("num_hidden_layers")
-        if isinstance(expected, int) and set(by_layer) != set(range(expected)):
-            absent = sorted(set(range(expected)) - set(by_layer))
-            raise CheckpointError(
-                f"{self.model_dir}: holds {len(by_layer)} decoder layers but num_hidden_layers={expected} in "
-                f"{self.hf_dir.join('config.json')}"
-                + (f" (layer {absent[0]} missing)" if absent else "")
-                + "; the checkpoint and config.json are from different models, or a pipeline stage is missing"
-            )
-        union = set().union(*by_layer.values()) if by_layer else set()
-        for layer, names in sorted(by_layer.items()):
-            missing = sorted(n for n in union - names if ".mlp." not in n)
-            if missing:
-                raise CheckpointError(
-                    f"{self.model_dir}: decoder layer {layer} has no {missing[0].replace('{}', str(layer))} (other layers "
-                    "have it); the file holding that layer is damaged or from another save"
-                )
-
-    def _check_moe(self, config: dict) -> None:
-        """Expert shapes and counts per config.json (layout.py checks dense families only)."""
-        experts = next((config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config), None)
-        hidden = config.get("hidden_size")
-        if not isinstance(experts, int) or not isinstance(hidden, int):
-            return
-        where = self.hf_dir.join("config.json")
-        fields = {"moe": config.get("moe_intermediate_size"), "shared": config.get("shared_expert_intermediate_size")}
-        want_by_suffix = {
-            r"mlp\.experts\.\d+\.(gate|up)_proj\.weight": (fields["moe"], hidden),
-            r"mlp\.experts\.\d+\.down_proj\.weight": (hidden, fields["moe"]),
-            r"mlp\.shared_expert\.(gate|up)_proj\.weight": (fields["shared"], hidden),
-            r"mlp\.shared_expert\.down_proj\.weight": (hidden, fields["shared"]),
-            r"mlp\.shared_expert_gate\.weight": (1, hidden),
-            r"mlp\.gate\.weight": (experts, hidden),
-        }
-        per_layer: dict[int, set[int]] = {}
-        for name, info in self.tensors().items():
-            match = re.match(r"model\.layers\.(\d+)\.(.*)$", name)
-            if not match:
-                continue
-            expert = re.match(r"mlp\.experts\.(\d+)\.", match[2])
-            if expert:
-                per_layer.setdefault(int(match[1]), set()).add(int(expert[1]))
-            for pattern, want in want_by_suffix.items():
-                if re.fullmatch(pattern, match[2]) and None not in want and tuple(info.shape) != want:
-                    raise CheckpointError(
-                        f"tensor {name} has shape {info.shape} but {where} implies {want} (from {info.layout}); the "
-                        "checkpoint and config.json are from different models (pass --hf_model_path with the right config)"
-                    )
-        for layer, found in sorted(per_layer.items()):
-            if found != set(range(experts)):
-                raise CheckpointError(
-                    f"{self.model_dir}: decoder layer {layer} has experts {sorted(found)[:3]}... ({len(found)}) but {where} "
-                    f"says {experts} experts; expert-parallel pieces are missing or the config is not this model's"
                 )
 
     def describe(self) -> dict:

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from .megatron_maps import L, freeze, table_for
-from .transforms import Replicated, ReplicatedGatedMLP, make_transform, pad_vocab
+from mergecore.megatron_maps import L, freeze, table_for
+from mergecore.transforms import Replicated, ReplicatedGatedMLP, make_transform, pad_vocab
 
 __all__ = ["ARCHS", "MegatronFixture", "tiny_model", "reshard", "write_megatron_checkpoint"]
 

@@ -1,0 +1,164 @@
+"""Checkpoints saved by real megatron-core (tests/mcore_dist_save.py) and what they must merge to.
+
+Shared by the dist_ckpt and legacy tests. Saves run in subprocesses (importing megatron.core widens
+torch.load's weights_only allow-list for the whole process, which would hide unpickling bugs in ours)
+and are cached for the session: a real save costs 10-40 s on two cores.
+
+The expected Hugging Face tensors come from the TP=1 model's own `state_dict()` through `hf_tensors`,
+a name table written here from the two libraries' module layouts, independent of mergecore's
+`megatron_maps`/`transforms`; megatron-core's own forward (logits.pt) checks that table in turn.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SAVER = Path(__file__).with_name("mcore_dist_save.py")
+STEP = 7
+
+needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
+                                    or importlib.util.find_spec("megatron.core") is None,
+                                    reason="megatron-core is not installed (pip install '.[megatron]')")
+
+# layout name -> (tp, pp, vpp)
+LAYOUTS = {"tp2": (2, 1, 1), "tp2-pp2": (2, 2, 1), "tp2-pp2-vpp2": (2, 2, 2)}
+
+_made: dict[tuple, Path] = {}  # module-level: one save per session even when two test modules ask
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _megatron(*args) -> None:
+    done = subprocess.run([sys.executable, str(SAVER), *map(str, args)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def tp1_save(factory, kind: str) -> Path:
+    """The role folder of a TP=1 dist_ckpt save of `kind`, with params.pt (and logits.pt but for moe)."""
+    key = ("tp1", kind)
+    if key not in _made:
+        out = factory.mktemp(f"mcore-{kind}") / f"global_step_{STEP}" / "actor"
+        _megatron("save", out, _free_port(), kind)
+        _made[key] = out
+    return _made[key]
+
+
+def parallel_save(factory, kind: str, layout: str, keys: str = "stacked") -> tuple[Path, Path]:
+    """(dist_ckpt role folder, legacy role folder) of the TP=1 `kind` model saved at `layout` by TP*PP ranks.
+
+    Both are written by the same processes; the dist_ckpt one also holds logits.pt when PP == 1.
+    """
+    key = ("parallel", kind, layout, keys)
+    if key not in _made:
+        base = tp1_save(factory, kind)
+        root = factory.mktemp(f"mcore-{kind}-{layout}-{keys}")
+        dist_role, legacy_role = (root / name / f"global_step_{STEP}" / "actor" for name in ("dist", "legacy"))
+        _megatron("reshard", base, dist_role, legacy_role, _free_port(), *LAYOUTS[layout], kind, keys)
+        for role in (dist_role, legacy_role):
+            (role.parent.parent / "latest_checkpointed_iteration.txt").write_text(str(STEP))
+        _made[key] = (dist_role, legacy_role)
+    return _made[key]
+
+
+def as_verl091(role: Path, into: Path) -> Path:
+    """A copy of a dist_ckpt role folder in verl 0.9.1's layout: model/dist_ckpt, model/huggingface."""
+    shutil.copytree(role / "dist_ckpt", into / "model" / "dist_ckpt")
+    shutil.copytree(role / "huggingface", into / "model" / "huggingface")
+    (into / "ckpt_contents.json").write_text(json.dumps(["model", "hf_model"]))
+    return into
+
+
+# ---- the expected Hugging Face tensors -----------------------------------------------------------
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# Megatron GPTModel submodule -> Hugging Face module, one line per parameter the tiny models have
+_SAME_SHAPE = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+}
+
+
+def _layer_tensors(suffix: str, value: torch.Tensor, config: dict) -> dict[str, torch.Tensor]:
+    if suffix in _SAME_SHAPE:
+        return {_SAME_SHAPE[suffix]: value}
+    if suffix.startswith("self_attention.linear_qkv."):
+        # Megatron fuses q, k, v per query group: [heads/groups q heads, one k head, one v head] x groups
+        heads, groups = config["num_attention_heads"], config["num_key_value_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        per_group = value.reshape(groups, heads // groups + 2, head_dim, *value.shape[1:])
+        kind = suffix.rsplit(".", 1)[1]
+        return {f"self_attn.q_proj.{kind}": per_group[:, :-2].reshape(heads * head_dim, *value.shape[1:]),
+                f"self_attn.k_proj.{kind}": per_group[:, -2].reshape(groups * head_dim, *value.shape[1:]),
+                f"self_attn.v_proj.{kind}": per_group[:, -1].reshape(groups * head_dim, *value.shape[1:])}
+    fc1 = re.fullmatch(r"mlp\.(?:experts\.local_experts\.(\d+)\.|(shared_experts)\.)?linear_fc1\.weight", suffix)
+    if fc1:  # SwiGLU: the first half of the rows is the gate, the second the up projection
+        module = f"mlp.experts.{fc1[1]}" if fc1[1] else "mlp.shared_expert" if fc1[2] else "mlp"
+        gate, up = value.chunk(2)
+        return {f"{module}.gate_proj.weight": gate, f"{module}.up_proj.weight": up}
+    fc2 = re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight", suffix)
+    if fc2:
+        return {f"mlp.experts.{fc2[1]}.down_proj.weight": value}
+    raise KeyError(f"no Hugging Face name for decoder layer tensor {suffix}: extend tests/mcore_real.py")
+
+
+def hf_tensors(role: Path) -> dict[str, torch.Tensor]:
+    """The TP=1 save's own parameters (params.pt) as the Hugging Face model holds them."""
+    params = torch.load(role / "params.pt", weights_only=True)
+    config = json.loads((role / "huggingface" / "config.json").read_text())
+    vocab, expected = config["vocab_size"], {}
+    for key, value in params.items():
+        layer = _LAYER.match(key)
+        if layer:
+            for name, tensor in _layer_tensors(layer[2], value, config).items():
+                expected[f"model.layers.{layer[1]}.{name}"] = tensor
+        elif key == "embedding.word_embeddings.weight":
+            expected["model.embed_tokens.weight"] = value[:vocab]  # Megatron pads the vocabulary
+        elif key == "decoder.final_layernorm.weight":
+            expected["model.norm.weight"] = value
+        elif key == "output_layer.weight":
+            expected["lm_head.weight"] = value[:vocab]
+        else:
+            raise KeyError(f"no Hugging Face name for {key}: extend tests/mcore_real.py")
+    if config.get("tie_word_embeddings"):
+        assert "lm_head.weight" not in expected  # Megatron keeps no separate output weight at TP=1 either
+    return expected
+
+
+def assert_logits_match(merged: Path, logits_file: Path) -> None:
+    """The merged folder's transformers forward equals Megatron's own forward of the saved model (fp32)."""
+    import transformers
+
+    reference = torch.load(logits_file, weights_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(reference["tokens"]).logits
+    assert logits.shape == reference["logits"].shape
+    assert torch.allclose(logits, reference["logits"], rtol=0, atol=1e-5), (logits - reference["logits"]).abs().max()
+
+
+# (kind, layout, dist_ckpt keys): the parallel saves both test modules use, each written once per session
+# (tied under TP2xPP2 is also the PP-without-VPP case: one real save less, each costs 20-40 s here)
+PARALLEL = [("dense", "tp2", "stacked"), ("dense", "tp2-pp2-vpp2", "stacked"),
+            ("tied", "tp2-pp2", "stacked"), ("qwen3", "tp2", "per-layer"), ("moe", "tp2", "stacked")]
+PARALLEL_IDS = [f"{kind}-{layout}" + ("-per-layer" if keys == "per-layer" else "") for kind, layout, keys in PARALLEL]
