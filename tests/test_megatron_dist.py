@@ -118,8 +118,10 @@ def test_both_layouts_are_found(dist):
             assert source.dist_dir.url.endswith("actor/model/dist_ckpt" if nested else "actor/dist_ckpt")
             assert source.hf_dir.url.endswith("actor/model/huggingface" if nested else "actor/huggingface")
         assert isinstance(open_checkpoint(str(ckpt.role_dir), backend="megatron_dist"), MegatronDistCheckpoint)
-    with pytest.raises(CheckpointError, match="is not a megatron checkpoint"):
-        open_checkpoint(str(new.role_dir), backend="megatron")  # the legacy reader does not claim it
+        # verl's --backend megatron covers its dist_ckpt layout (its default) as well as mp_rank folders
+        assert isinstance(open_checkpoint(str(ckpt.role_dir), backend="megatron"), MegatronDistCheckpoint)
+    with pytest.raises(CheckpointError, match="is not a megatron_legacy checkpoint"):
+        open_checkpoint(str(new.role_dir), backend="megatron_legacy")  # the legacy reader does not claim it
 
 
 def test_names_shapes_order_and_describe(dist):
