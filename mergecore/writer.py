@@ -56,13 +56,21 @@ def check_free_space(needed: int, free: int, target: Path) -> None:
 
     >>> check_free_space(2_000_000_000, 500_000_000, Path("out/model"))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    mergecore.errors.CheckpointError: out/model: needs 2.00 GB but its disk has 0.50 GB free; ...
+    mergecore.errors.CheckpointError: out/model: needs 2.00 GB but its disk has 500.0 MB free; ...
     """
     if needed > free:
         raise CheckpointError(
-            f"{target}: needs {needed / 1e9:.2f} GB but its disk has {free / 1e9:.2f} GB free; "
+            f"{target}: needs {readable_size(needed)} but its disk has {readable_size(free)} free; "
             "free space on that disk or choose another --target_dir"
         )
+
+
+def readable_size(size: int) -> str:
+    """`readable_size(1_500_000) == "1.5 MB"`."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.{2 if unit == 'GB' else 1}f} {unit}"
+    return f"{size} bytes"
 
 
 def free_bytes(folder: Path) -> int:
