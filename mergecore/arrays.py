@@ -103,16 +103,19 @@ def bitwise_equal(a, b) -> bool:
     return bool(np.array_equal(a, b))
 
 
-# Sign bit cleared, a float is non-finite exactly when its bits reach the all-ones exponent.
+# A float is non-finite when its exponent bits are all ones: as a signed integer at least
+# `exponent` (positive), as an unsigned one at least `sign | exponent` (negative).
 _ALL_ONES_EXPONENT = {"bfloat16": 0x7F80, "float16": 0x7C00, "float32": 0x7F80_0000, "float64": 0x7FF0_0000_0000_0000}
-_SCAN_BYTES = 512 << 10  # the masked copy of a chunk stays in L2
+_SAME_SIZE_INT = {2: np.int16, 4: np.int32, 8: np.int64}
+_SCAN_BYTES = 512 << 10  # a chunk read twice stays in L2
 
 
 def nonfinite_counts(array) -> dict[str, int] | None:
     """Counts of NaN, +Inf and -Inf in a floating array, or None when every value is finite (or it is not floating).
 
-    The common all-finite case costs one masked max per 512 KiB chunk of the raw bits (no float
-    arithmetic, ~1/10 of the cast that produced the array); values are counted only when a chunk fails.
+    The common all-finite case costs two integer max-reductions per 512 KiB chunk of the raw bits
+    (no temporaries, no float arithmetic: ~1/3 of writing the array out); values are counted only
+    when a chunk fails.
 
     >>> nonfinite_counts(np.array([1.0, np.nan, -np.inf], np.float32))
     {'nan': 1, '+inf': 0, '-inf': 1}
@@ -121,15 +124,14 @@ def nonfinite_counts(array) -> dict[str, int] | None:
     name = _BY_NUMPY.get(array.dtype)
     if name not in _ALL_ONES_EXPONENT or not array.size:
         return None
-    bits = np.ascontiguousarray(array).reshape(-1).view(_SAME_SIZE_UINT[array.dtype.itemsize])
-    magnitude_mask, threshold = bits.dtype.type(np.iinfo(bits.dtype).max >> 1), _ALL_ONES_EXPONENT[name]
-    step = max(1, _SCAN_BYTES // bits.itemsize)
-    scratch = np.empty(min(step, bits.size), bits.dtype)
-    for start in range(0, bits.size, step):
-        chunk = bits[start:start + step]
-        magnitudes = np.bitwise_and(chunk, magnitude_mask, out=scratch[:chunk.size])
-        if magnitudes.max() >= threshold:
-            return _count_nonfinite(array)
+    flat = np.ascontiguousarray(array).reshape(-1)
+    unsigned, signed = flat.view(_SAME_SIZE_UINT[flat.itemsize]), flat.view(_SAME_SIZE_INT[flat.itemsize])
+    exponent = _ALL_ONES_EXPONENT[name]
+    negative = (1 << (8 * flat.itemsize - 1)) | exponent
+    step = _SCAN_BYTES // flat.itemsize
+    for start in range(0, flat.size, step):
+        if unsigned[start:start + step].max() >= negative or signed[start:start + step].max() >= exponent:
+            return _count_nonfinite(flat)
     return None
 
 

@@ -49,6 +49,16 @@ def test_counts_match_numpy_for_every_float_dtype(dtype):
     assert nonfinite_counts(np.array([np.finfo(np.float16).max, -np.finfo(np.float16).max], dtype)) is None
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("value", [np.nan, -np.nan, np.inf, -np.inf])
+def test_each_kind_alone_is_found_anywhere(dtype, value):
+    values = np.linspace(-3e4, 3e4, 700_000).astype(dtype)  # spans several scan chunks; both signs
+    values[654_321] = value
+    counts = nonfinite_counts(values)
+    assert counts is not None and sum(counts.values()) == 1
+    assert counts == expected_counts(values.astype(np.float64))
+
+
 def test_integers_are_not_checked():
     assert nonfinite_counts(np.full(4, -1, np.int16)) is None  # all-ones bits, but not a float
 
