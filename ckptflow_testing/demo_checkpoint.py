@@ -100,6 +100,9 @@ class DemoSpec:
     config_dtype: str = "bfloat16"
     step: int = 1
     seed: int = 0
+    # A parameter that diverged: after the training step, rank 0's shard of it gets a NaN, a +Inf and a
+    # -Inf (FSDP2 and single modes), so the checkpoint and the reference both hold them.
+    nonfinite_param: str | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,8 @@ def _validate(spec: DemoSpec) -> None:
         )
     if spec.shard_placement_fn and spec.mode not in ("fsdp2", "hsdp"):
         raise ValueError("shard_placement_fn is only meaningful for modes 'fsdp2' and 'hsdp'")
+    if spec.nonfinite_param is not None and spec.mode not in ("fsdp2", "single"):
+        raise ValueError("nonfinite_param is only supported for modes 'fsdp2' and 'single'")
     if spec.step < 0:
         raise ValueError(f"step must be >= 0, got {spec.step}")
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -372,6 +377,16 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
+def _diverge(model, name: str) -> None:
+    """Rank 0's first three values of parameter `name` become NaN, +Inf, -Inf."""
+    import torch
+
+    param = model.get_parameter(name)
+    local = param.to_local() if hasattr(param, "to_local") else param
+    with torch.no_grad():
+        local.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+
+
 def _train_and_save(rank: int, world_size: int, spec: DemoSpec, role_dir: Path, reference_dir: Path) -> None:
     import torch
     import torch.nn.functional as F
@@ -421,6 +436,8 @@ def _train_and_save(rank: int, world_size: int, spec: DemoSpec, role_dir: Path, 
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    if spec.nonfinite_param is not None and rank == 0:
+        _diverge(model, spec.nonfinite_param)
 
     # ---- what verl's FSDPCheckpointManager.save_checkpoint writes, per rank
     suffix = f"world_size_{world_size}_rank_{rank}.pt"

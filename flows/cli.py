@@ -35,6 +35,7 @@ TRUST_REMOTE_CODE = typer.Option(False, "--trust-remote-code", "--trust_remote_c
 ATOL = typer.Option(None, "--atol", help="Absolute tolerance: tensors (default 0, exact) and logits (default 1e-5).")
 RTOL = typer.Option(None, "--rtol", help="Relative tolerance: tensors and logits (default 0).")
 CUSTOM_MAPPING = typer.Option(None, "--custom-mapping", "--custom_mapping", help="JSON/YAML file of extra Megatron -> HF name patterns.")
+NONFINITE_HELP = "NaN/Inf in the converted weights: fail (exit 2, nothing published) or warn (publish, list them in the manifest)."
 CPU_INIT = typer.Option(False, "--use_cpu_initialization", "--use-cpu-initialization", hidden=True, help="Accepted for verl compatibility; ckptflow always merges on CPU.")
 
 
@@ -98,9 +99,9 @@ def _progress() -> Progress:
 
 
 def run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size, tie, is_value_model,
-              overwrite, verify, check_replicas, workers, custom_mapping=None) -> dict:
+              overwrite, verify, check_replicas, workers, custom_mapping=None, on_nonfinite="warn") -> dict:
     """Prepare, merge with a progress bar, verify and publish; returns the manifest."""
-    from mergecore import merge_checkpoint, prepare
+    from mergecore import CheckpointError, merge_checkpoint, prepare
     from mergecore.merge import check_target
 
     check_target(target_dir, overwrite)
@@ -113,12 +114,25 @@ def run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_sh
         def advanced(group: str, receipt: dict) -> None:
             progress.update(bar, advance=1, description=group)
 
-        manifest = merge_checkpoint(
-            local_dir, target_dir, overwrite=overwrite, verify=verify, workers=workers,
-            on_group=advanced, prepared=prepared,
-        )
+        try:
+            manifest = merge_checkpoint(
+                local_dir, target_dir, overwrite=overwrite, verify=verify, workers=workers,
+                on_group=advanced, prepared=prepared, on_nonfinite=on_nonfinite,
+            )
+        except CheckpointError:
+            progress.live.transient = True  # the error stays the only line
+            raise
         progress.update(bar, description="done")
     return manifest
+
+
+def warn_nonfinite(found: dict) -> None:
+    """One warning line per published tensor holding NaN/Inf (always shown: `warn` publishes them)."""
+    from mergecore.merge import describe_counts
+
+    for name, counts in found.items():
+        err.print(f"[bold yellow]warning:[/] {name}: {describe_counts(counts)} (published; listed in the manifest)",
+                  highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -140,6 +154,7 @@ def merge(
     check_replicas: bool = typer.Option(False, "--check-replicas", help="Also check HSDP replicas are identical."),
     workers: int = typer.Option(2, "--workers", help="Threads reading, converting and writing tensors."),
     custom_mapping: Optional[str] = CUSTOM_MAPPING,
+    on_nonfinite: str = typer.Option("warn", "--on-nonfinite", "--on_nonfinite", help=NONFINITE_HELP),
     hf_upload_path: Optional[str] = typer.Option(None, "--hf_upload_path", "--hf-upload-path", help="Also push to this Hub repo (org/name)."),
     private: Optional[bool] = typer.Option(None, "--private/--public", help="With --hf_upload_path: visibility of a newly created repo (default private)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="With --hf_upload_path: branch to push to (created if missing)."),
@@ -152,7 +167,10 @@ def merge(
                "check of `ckptflow test` and `ckptflow verify --logits`: drop it here")
     manifest = run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size,
                          tie_word_embedding, is_value_model, overwrite, not skip_verify, check_replicas, workers,
-                         custom_mapping)
+                         custom_mapping, on_nonfinite)
+    from mergecore.merge import nonfinite_found
+
+    warn_nonfinite(nonfinite_found(manifest.get("groups_written", [])))
     checks = ", ".join(f"{c['check']} ok" for c in manifest.get("verification", [])) or "not verified"
     out.print(f"merged {manifest['source']['location']} -> {Path(target_dir).absolute()} "
               f"({len(manifest['files'])} files, dtype {manifest['dtype']}; {checks})", highlight=False, soft_wrap=True)
@@ -282,6 +300,7 @@ def promote(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a target holding a different merge."),
     custom_mapping: Optional[str] = CUSTOM_MAPPING,
     trust_remote_code: bool = TRUST_REMOTE_CODE,
+    on_nonfinite: str = typer.Option("fail", "--on-nonfinite", "--on_nonfinite", help=NONFINITE_HELP),
 ):
     """Run the Prefect pipeline: merge (cached per group) -> verify -> push to the Hub."""
     from flows.run import run_promotion
@@ -294,7 +313,9 @@ def promote(
     result = run_promotion(checkpoint=checkpoint, target=target, dtype=dtype, reference=reference, hub_repo=hub_repo,
                            revision=revision, private=private, max_shard_size=max_shard_size, role=role,
                            backend=backend, hf_dir=hf_model_path, tag=tag, hub_token_secret=hub_token_secret,
-                           overwrite=overwrite, custom_mapping=custom_mapping, trust_remote_code=trust_remote_code)
+                           overwrite=overwrite, custom_mapping=custom_mapping, trust_remote_code=trust_remote_code,
+                           on_nonfinite=on_nonfinite)
+    warn_nonfinite(result.get("nonfinite", {}))
     print_checks(result["checks"])
     cached = result["cached_groups"]
     out.print(f"verified model: {result['target']}" + (f" ({len(cached)} groups reused from cache)" if cached else ""),

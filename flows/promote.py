@@ -15,6 +15,7 @@ from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
 
+from mergecore.merge import check_nonfinite_policy, nonfinite_found
 from mergecore.output import BackgroundHashes
 from tasks import (discover_shards, finalize_model, merge_group, plan_groups, prepare_staging, push_to_hub,
                    run_equivalence_tests, validate_metadata)
@@ -72,13 +73,20 @@ def promote_checkpoint(
     overwrite: bool = False,
     trust_remote_code: bool = False,
     custom_mapping: str | None = None,
+    on_nonfinite: str = "fail",
 ) -> dict:
-    """Merge a training checkpoint, prove it equal to what was trained, and publish it to the Hub."""
-    ref = CheckpointRef(checkpoint, role, backend, hf_dir, dtype, max_shard_size, custom_mapping=custom_mapping)
+    """Merge a training checkpoint, prove it equal to what was trained, and publish it to the Hub.
+
+    NaN/Inf weights fail the run unless `on_nonfinite="warn"` (then they are listed in the result
+    and the manifest)."""
+    check_nonfinite_policy(on_nonfinite)
+    ref = CheckpointRef(checkpoint, role, backend, hf_dir, dtype, max_shard_size, custom_mapping=custom_mapping,
+                        on_nonfinite=on_nonfinite)
     manifest = merge_checkpoint(ref, target, overwrite, reference, trust_remote_code)
     checks = run_equivalence_tests(target, manifest, reference, trust_remote_code)
     create_table_artifact(equivalence_rows(checks), key="equivalence", description="equivalence tests")
-    result = {"target": str(Path(target).absolute()), "checks": checks, "cached_groups": manifest["cached_groups"]}
+    result = {"target": str(Path(target).absolute()), "checks": checks, "cached_groups": manifest["cached_groups"],
+              "nonfinite": nonfinite_found(manifest.get("groups_written", []))}
     if hub_repo:
         pushed = push_to_hub(target, hub_repo, revision, private, tag, hub_token_secret)
         create_link_artifact(pushed["url"], link_text=f"{hub_repo}@{pushed['revision']}", key="hub-revision")

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .arrays import bitwise_equal
+from .arrays import FLOATING, bitwise_equal, nonfinite_counts
 from .dtypes import resolve_dtype
 from .errors import CheckpointError
 from .formats import CheckpointSource, open_checkpoint
@@ -21,7 +21,9 @@ from .formats.base import read_hf_config
 from .layout import EMBEDDING, OUTPUT, check_against_config, tied_embeddings
 from .plan import MergePlan, make_plan, parse_size
 from .storage import Location
-from .writer import TensorWriter, prepare_files
+from .writer import PARTIAL_SUFFIX, TensorWriter, prepare_files, room_checked
+
+NONFINITE_POLICIES = ("fail", "warn")
 
 
 class Stopwatch:
@@ -120,7 +122,7 @@ def staging_folder(target: str | Path) -> Path:
     Its name is fixed per target so an interrupted run can resume into it.
     """
     target = Path(target).absolute()
-    return target.parent / f".{target.name}.ckptflow-partial"
+    return target.parent / f".{target.name}{PARTIAL_SUFFIX}"
 
 
 def check_target(target: str | Path, overwrite: bool) -> Path:
@@ -159,26 +161,63 @@ def merge_group(
     staging: Path,
     workers: int = 2,
     on_tensor: Callable[[str], None] | None = None,
+    on_nonfinite: str = "warn",
 ) -> dict:
     """Assemble every tensor of one group and write it to its place in the staging files.
 
+    Each floating tensor is checked for NaN/Inf as converted (so fp16 overflow counts too):
+    `on_nonfinite="fail"` raises CheckpointError, `"warn"` writes it and lists it in the receipt
+    as `nonfinite: {tensor: {"nan": n, "+inf": p, "-inf": m}}`.
     Memory: at most `workers` output tensors at a time. Returns a small receipt.
     """
     started = time.perf_counter()
+    check_nonfinite_policy(on_nonfinite)
     planned = plan.in_group(group)
     if not planned:
         raise CheckpointError(f"group {group!r} is not in the plan (groups: {', '.join(plan.groups)})")
 
     def one(entry):
         tensor = source.read(entry.name, entry.dtype)
+        counts = nonfinite_counts(tensor) if entry.dtype in FLOATING else None
+        if counts and on_nonfinite == "fail":
+            raise nonfinite_error({entry.name: counts}, source.location)
         writer.write(entry, tensor)
         if on_tensor:
             on_tensor(entry.name)
-        return entry.end - entry.begin
+        return entry.end - entry.begin, entry.name, counts
 
     with TensorWriter(plan, staging) as writer, ThreadPoolExecutor(max(1, workers)) as pool:
-        written = sum(pool.map(one, planned))
-    return {"group": group, "tensors": len(planned), "bytes": written, "seconds": round(time.perf_counter() - started, 3)}
+        done = list(pool.map(one, planned))
+    receipt = {"group": group, "tensors": len(planned), "bytes": sum(size for size, _, _ in done),
+               "seconds": round(time.perf_counter() - started, 3)}
+    nonfinite = {name: counts for _, name, counts in done if counts}
+    return {**receipt, "nonfinite": nonfinite} if nonfinite else receipt
+
+
+def check_nonfinite_policy(on_nonfinite: str) -> None:
+    if on_nonfinite not in NONFINITE_POLICIES:
+        raise CheckpointError(f"--on-nonfinite {on_nonfinite!r}: choose one of {', '.join(NONFINITE_POLICIES)}")
+
+
+def nonfinite_error(found: dict[str, dict[str, int]], source) -> CheckpointError:
+    """The one-line refusal of non-finite weights: the first tensor, its counts, where it came from, the fix."""
+    name, counts = next(iter(found.items()))
+    more = f" (and {len(found) - 1} more tensors)" if len(found) > 1 else ""
+    return CheckpointError(
+        f"{name} in {source}: {describe_counts(counts)} after conversion{more}; training may have diverged "
+        "(or values overflow the output dtype): pick an earlier checkpoint, or pass --on-nonfinite warn to publish anyway"
+    )
+
+
+def describe_counts(counts: dict[str, int]) -> str:
+    """`{"nan": 1, "+inf": 2, "-inf": 0}` -> `"1 NaN, 2 +Inf"`."""
+    labels = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}
+    return ", ".join(f"{n} {labels[kind]}" for kind, n in counts.items() if n)
+
+
+def nonfinite_found(receipts: list[dict]) -> dict[str, dict[str, int]]:
+    """{tensor: counts} over the receipts of merge_group (fresh or cached), in plan order."""
+    return {name: counts for receipt in receipts for name, counts in receipt.get("nonfinite", {}).items()}
 
 
 def finalize(
@@ -262,6 +301,12 @@ def refresh_published(prepared: Prepared, target: Path, verify: bool = True, wor
                     extra={"groups_written": manifest.get("groups_written", [])}, checks=checks)
 
 
+def metadata_bytes(source: CheckpointSource) -> int:
+    """Room for everything but the weights: the huggingface/ files (copied, or rewritten like config.json)
+    plus 1 MiB for the index and the manifest."""
+    return sum(int(source.hf_dir.join(name).info().get("size") or 0) for name in source.hf_dir.listdir()) + (1 << 20)
+
+
 def merge_checkpoint(
     checkpoint: str,
     target: str | Path,
@@ -280,6 +325,7 @@ def merge_checkpoint(
     on_tensor: Callable[[str], None] | None = None,
     prepared: Prepared | None = None,
     checks: Callable[[Path], list[dict]] | None = None,
+    on_nonfinite: str = "warn",
 ) -> dict:
     """Merge a checkpoint into a verified Hugging Face folder at `target`, published atomically.
 
@@ -288,6 +334,7 @@ def merge_checkpoint(
     True
     """
     target_path = check_target(target, overwrite)
+    check_nonfinite_policy(on_nonfinite)
     clock = Stopwatch()
     prepared = prepared or prepare(checkpoint, role, backend, hf_dir, dtype, max_shard_size, tie_word_embedding, check_replicas)
     clock.lap("prepare")
@@ -297,16 +344,17 @@ def merge_checkpoint(
     plan = prepared.plan
     try:
         with BackgroundHashes(staging) as hashes:
-            prepare_files(plan, staging)
+            prepare_files(plan, staging, metadata_bytes(prepared.source))
             receipts = []
             for group in plan.groups:
-                receipts.append(merge_group(prepared.source, plan, group, staging, workers, on_tensor))
+                receipts.append(merge_group(prepared.source, plan, group, staging, workers, on_tensor, on_nonfinite))
                 hashes.start_written(plan, {r["group"] for r in receipts})  # files hash as far as they are written
                 if on_group:
                     on_group(group, receipts[-1])
             clock.lap("merge")
             extra = {"groups_written": receipts, "timings": clock.laps}
-            return finalize(prepared, staging, target_path, overwrite, verify, workers, extra, hashes, checks)
+            with room_checked(staging):  # index, config, copied files and manifest
+                return finalize(prepared, staging, target_path, overwrite, verify, workers, extra, hashes, checks)
     except BaseException:
         import shutil
 

@@ -6,44 +6,113 @@ written is in memory, however many groups a file holds.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from .arrays import dtype_of, to_numpy
+from .errors import CheckpointError
 from .plan import MergePlan, PlannedTensor
 
+PARTIAL_SUFFIX = ".ckptflow-partial"  # staging folder of target T: .T.ckptflow-partial beside it
+NO_ROOM = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})  # disk full, file-size limit, quota
+# Room kept for what follows the weights (index, config, manifest, copied tokenizer files: a large
+# tokenizer.json is ~10 MB) when the caller does not know their size.
+METADATA_SLACK = 16 << 20
 
-def prepare_files(plan: MergePlan, folder: Path) -> list[str]:
+
+def output_target(folder: Path) -> Path:
+    """The target a staging folder is published to; any other folder is its own target."""
+    name = folder.name
+    if name.startswith(".") and name.endswith(PARTIAL_SUFFIX):
+        return folder.parent / name[1:-len(PARTIAL_SUFFIX)]
+    return folder
+
+
+@contextmanager
+def room_checked(folder: Path):
+    """Running out of room while writing into `folder` becomes a one-line CheckpointError with the fix.
+
+    Other OSErrors pass through unchanged (the pipeline retries them as transient).
+    """
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in NO_ROOM:
+            raise
+        raise CheckpointError(
+            f"{output_target(folder)}: {os.strerror(error.errno)} while writing the merged model into {folder}; "
+            "free space on that disk (or raise the quota / file-size limit) or choose another --target_dir"
+        ) from error
+
+
+def check_free_space(needed: int, free: int, target: Path) -> None:
+    """Refuse, before anything is written, a merge that cannot fit in the free bytes of the target's disk.
+
+    >>> check_free_space(2_000_000_000, 500_000_000, Path("out/model"))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    mergecore.errors.CheckpointError: out/model: needs 2.00 GB but its disk has 500.0 MB free; ...
+    """
+    if needed > free:
+        raise CheckpointError(
+            f"{target}: needs {readable_size(needed)} but its disk has {readable_size(free)} free; "
+            "free space on that disk or choose another --target_dir"
+        )
+
+
+def readable_size(size: int) -> str:
+    """`readable_size(1_500_000) == "1.5 MB"`."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.{2 if unit == 'GB' else 1}f} {unit}"
+    return f"{size} bytes"
+
+
+def free_bytes(folder: Path) -> int:
+    """Free bytes on the disk that holds (or will hold) `folder`."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    return shutil.disk_usage(existing).free
+
+
+def prepare_files(plan: MergePlan, folder: Path, metadata_bytes: int = METADATA_SLACK) -> list[str]:
     """Create each output file with its header and full size; keep files already prepared.
 
     A file is kept when its size and header match the plan, so a resumed merge keeps the
     groups it already wrote; anything else in the folder goes. A folder holding a manifest is a
     finished model (one a crash left before or after its swap into place) and is never resumed.
     Returns the files (re)created, whose groups must be written anew.
+    Refuses first, writing nothing, when the files to create and `metadata_bytes` exceed the free space.
     """
     from .output import MANIFEST_FILE, clear_strays
 
     if (folder / MANIFEST_FILE).exists():
         shutil.rmtree(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    clear_strays(folder, set(plan.files))
-    created = []
-    for file in plan.files:
-        path, header, size = folder / file, plan.header(file), plan.file_size(file)
-        if path.exists() and path.stat().st_size == size:
-            with open(path, "rb") as f:
-                if f.read(len(header)) == header:
-                    continue
-        path.unlink(missing_ok=True)  # a new inode: never write through a hard link to published weights
-        with open(path, "wb") as f:
-            f.write(header)
-            os.posix_fallocate(f.fileno(), 0, size)
-        created.append(file)
-    return created
+    if folder.exists():
+        clear_strays(folder, set(plan.files))
+    stale = [file for file in plan.files if not _prepared(folder / file, plan.header(file), plan.file_size(file))]
+    needed = sum(plan.file_size(file) for file in stale) + metadata_bytes
+    check_free_space(needed, free_bytes(folder), output_target(folder))
+    with room_checked(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        for file in stale:
+            path = folder / file
+            path.unlink(missing_ok=True)  # a new inode: never write through a hard link to published weights
+            with open(path, "wb") as f:
+                f.write(plan.header(file))
+                os.posix_fallocate(f.fileno(), 0, plan.file_size(file))
+    return stale
+
+
+def _prepared(path: Path, header: bytes, size: int) -> bool:
+    if not (path.exists() and path.stat().st_size == size):
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(header)) == header
 
 
 def tensor_bytes(array) -> memoryview:
@@ -72,11 +141,12 @@ class TensorWriter:
         data = tensor_bytes(tensor)
         if len(data) != planned.end - planned.begin:
             raise ValueError(f"{planned.name}: {len(data)} bytes, planned {planned.end - planned.begin}")
-        fd = self._fd(planned.file)
         offset = self._data_start[planned.file] + planned.begin
-        while data:
-            written = os.pwrite(fd, data, offset)
-            data, offset = data[written:], offset + written
+        with room_checked(self._folder):
+            fd = self._fd(planned.file)
+            while data:
+                written = os.pwrite(fd, data, offset)
+                data, offset = data[written:], offset + written
 
     def _fd(self, file: str) -> int:
         with self._lock:

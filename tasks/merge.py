@@ -10,9 +10,10 @@ from prefect.cache_policies import NO_CACHE
 from mergecore import CheckpointError, MergePlan
 from mergecore import finalize as finalize_folder
 from mergecore import merge_group as merge_one_group
-from mergecore.merge import refresh_published
+from mergecore.merge import nonfinite_error, nonfinite_found, refresh_published
 from mergecore.output import BackgroundHashes
 from mergecore.verify import reference_checks
+from mergecore.writer import room_checked
 
 from .caching import results_folder
 from .locks import PUBLISH_LOCK, exclusive
@@ -37,7 +38,12 @@ def merge_group(ref: CheckpointRef, plan: MergePlan, group: str, staging: str, w
     if not Path(staging).exists():
         raise CheckpointError(f"{staging}: staging folder is gone and group {group} has no cached result; "
                               "rerun with overwrite=True to rebuild the target")
-    return merge_one_group(prepared_for(ref).source, plan, group, Path(staging), workers)
+    receipt = merge_one_group(prepared_for(ref).source, plan, group, Path(staging), workers, on_nonfinite=ref.on_nonfinite)
+    if receipt.get("nonfinite"):
+        from prefect import get_run_logger
+
+        get_run_logger().warning("non-finite weights written (on_nonfinite=warn): %s", receipt["nonfinite"])
+    return receipt
 
 
 @task(name="finalize_model", cache_policy=NO_CACHE)
@@ -52,8 +58,11 @@ def finalize_model(ref: CheckpointRef, staging: str, target: str, overwrite: boo
     staging folder), only changed metadata is redone.
     """
     prepared = prepared_for(ref)
+    found = nonfinite_found(receipts)
+    if found and ref.on_nonfinite == "fail":  # cached receipts of an earlier "warn" run say so too
+        raise nonfinite_error(found, prepared.source.location)
     checks = (lambda folder: reference_checks(folder, Path(reference), trust_remote_code)) if reference else None
-    with exclusive(results_folder(target) / "locks", PUBLISH_LOCK):  # concurrent runs publish one at a time
+    with exclusive(results_folder(target) / "locks", PUBLISH_LOCK), room_checked(Path(staging)):  # one publisher at a time
         if not Path(staging).exists():
             return refresh_published(prepared, Path(target), checks=checks)
         return finalize_folder(prepared, Path(staging), Path(target), overwrite, extra={"groups_written": receipts},

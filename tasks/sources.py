@@ -26,6 +26,9 @@ class CheckpointRef:
     max_shard_size: str = "5GB"
     tie_word_embedding: bool | None = None
     custom_mapping: str | None = None
+    # "fail" or "warn" on NaN/Inf weights. Not in merge_group's cache key (it changes no byte written):
+    # receipts carry the findings, and finalize_model applies "fail" to cached receipts too.
+    on_nonfinite: str = "warn"
 
 
 @lru_cache(maxsize=4)
