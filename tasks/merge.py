@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 from mergecore import CheckpointError, MergePlan
 from mergecore import finalize as finalize_folder
 from mergecore import merge_group as merge_one_group
-from mergecore.merge import nonfinite_error, nonfinite_found, refresh_published
+from mergecore.merge import nonfinite_error, nonfinite_found, published_manifest, refresh_published
 from mergecore.output import BackgroundHashes
 from mergecore.verify import reference_checks
 from mergecore.writer import room_checked
@@ -58,8 +58,10 @@ def finalize_model(ref: CheckpointRef, staging: str, target: str, overwrite: boo
     staging folder), only changed metadata is redone.
     """
     prepared = prepared_for(ref)
+    if not Path(staging).exists():  # the target holds this merge: its receipts are in its manifest
+        receipts = (published_manifest(Path(target), prepared) or {}).get("groups_written", [])
     found = nonfinite_found(receipts)
-    if found and ref.on_nonfinite == "fail":  # cached receipts of an earlier "warn" run say so too
+    if found and ref.on_nonfinite == "fail":  # receipts of an earlier "warn" run (cached or published) say so too
         raise nonfinite_error(found, prepared.source.location)
     checks = (lambda folder: reference_checks(folder, Path(reference), trust_remote_code)) if reference else None
     with exclusive(results_folder(target) / "locks", PUBLISH_LOCK), room_checked(Path(staging)):  # one publisher at a time

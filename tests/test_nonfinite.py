@@ -19,7 +19,7 @@ DIVERGED = "model.layers.1.mlp.up_proj.weight"
 
 @pytest.fixture(scope="session")
 def diverged(tmp_path_factory):
-    from mergecore.demo_checkpoint import DemoSpec, write_demo_checkpoint
+    from ckptflow_testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
 
     return write_demo_checkpoint(tmp_path_factory.mktemp("diverged"), DemoSpec(world_size=2, nonfinite_param=DIVERGED))
 

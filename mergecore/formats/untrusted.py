@@ -32,6 +32,7 @@ mergecore.formats.untrusted.Refused: global builtins.print is not allowed in a c
 from __future__ import annotations
 
 import collections
+import enum
 import functools
 import itertools
 import math
@@ -496,7 +497,8 @@ def check_plain_fields(root, what: str) -> None:
     seen, todo = set(), [root]
     while todo:
         obj = todo.pop()
-        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        # enum members come from their class by value (pickle never BUILDs them) and keep dunders of their own
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None), enum.Enum, type)):
             continue
         seen.add(id(obj))
         if isinstance(obj, dict):
