@@ -6,16 +6,12 @@ folder makes no commit. After the push the remote revision is checked against th
 
 from __future__ import annotations
 
+import functools
 import re
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
 
 from .errors import CheckpointError, VerificationError
-from .storage import env_number
-
-T = TypeVar("T")
+from .retries import Retries
 
 
 def push_folder(
@@ -47,7 +43,8 @@ def push_folder(
     branch = revision or "main"
     api = HfApi(token=token)
     secret = token or get_token()
-    retried = _HubRetries.from_env().call
+    policy = Retries.from_env("CKPTFLOW_HUB", 3, 2.0)
+    retried = functools.partial(policy.call, wait_after=_hub_wait(policy))
     try:
         repo_url = retried(lambda: api.create_repo(repo_id, private=private, exist_ok=True))
         before = retried(lambda: _head(api, repo_id, branch))
@@ -87,29 +84,11 @@ _RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
 _MAX_RETRY_AFTER_S = 60.0
 
 
-@dataclass(frozen=True)
-class _HubRetries:
-    retries: int = 3
-    backoff_s: float = 2.0
+def _hub_wait(retries: Retries):
+    """How long to wait before retrying a failed Hub call (None: do not): after a 429/5xx or a dropped
+    connection on a request the client sent only once."""
 
-    @classmethod
-    def from_env(cls) -> _HubRetries:
-        return cls(env_number("CKPTFLOW_HUB_RETRIES", cls.retries, int),
-                   env_number("CKPTFLOW_HUB_BACKOFF", cls.backoff_s, float))
-
-    def call(self, action: Callable[[], T]) -> T:
-        """`action()`, again after a 429/5xx or a dropped connection on a request the client sent only once."""
-        for attempt in range(self.retries + 1):
-            try:
-                return action()
-            except Exception as error:
-                wait = self._wait(error, attempt)
-                if wait is None or attempt == self.retries:
-                    raise
-                time.sleep(wait)
-        raise AssertionError("unreachable")
-
-    def _wait(self, error: Exception, attempt: int) -> float | None:
+    def wait(error: Exception, attempt: int) -> float | None:
         import httpx2
         from huggingface_hub.errors import HfHubHTTPError
 
@@ -122,7 +101,9 @@ class _HubRetries:
                 return min(float(after), _MAX_RETRY_AFTER_S)
         elif not (isinstance(error, httpx2.TransportError) and _UNRETRIED_BY_CLIENT.search(error.request.url.path)):
             return None
-        return self.backoff_s * 2 ** attempt
+        return retries.delay(attempt)
+
+    return wait
 
 
 def scrub(text: str, token: str | None) -> str:

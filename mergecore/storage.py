@@ -18,7 +18,6 @@ import json
 import os
 import posixpath
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -27,6 +26,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from .errors import CheckpointError
+from .retries import Retries
 
 T = TypeVar("T")
 
@@ -42,36 +42,6 @@ class RemoteReadError(CheckpointError, OSError):
     A CheckpointError, so the CLI prints its one line and exits 2; an OSError too, so the pipeline's
     merge task (which retries OSError) tries the group again later.
     """
-
-
-@dataclass(frozen=True)
-class ReadRetries:
-    """How often and how patiently remote reads are retried (from the environment)."""
-
-    retries: int = 3
-    backoff_s: float = 0.5
-
-    @classmethod
-    def from_env(cls) -> ReadRetries:
-        return cls(env_number("CKPTFLOW_READ_RETRIES", cls.retries, int),
-                   env_number("CKPTFLOW_READ_BACKOFF", cls.backoff_s, float))
-
-    def delay(self, attempt: int) -> float:
-        return self.backoff_s * 2 ** attempt
-
-
-def env_number(name: str, default, kind):
-    """A non-negative number from the environment variable `name` (unset or empty: `default`)."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = kind(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise CheckpointError(f"{name}={text!r}: not a non-negative {kind.__name__}; fix or unset it")
-    return value
 
 
 def default_cache_dir() -> Path:
@@ -222,20 +192,21 @@ class Location:
         """`call()`, retried on transient errors when this location is remote."""
         if isinstance(fs, LocalFileSystem):
             return call()
-        policy = ReadRetries.from_env()
-        for attempt in range(policy.retries + 1):
-            try:
-                return call()
-            except (CheckpointError, *PERMANENT_ERRORS):
+        policy = Retries.from_env("CKPTFLOW_READ", 3, 0.5)
+
+        def transient(error: Exception, attempt: int) -> float | None:
+            permanent = isinstance(error, (CheckpointError, *PERMANENT_ERRORS)) or not isinstance(error, OSError)
+            return None if permanent else policy.delay(attempt)
+
+        try:
+            return policy.call(call, transient)
+        except OSError as failure:
+            if transient(failure, 0) is None:
                 raise
-            except OSError as error:
-                failure = error
-                if attempt < policy.retries:
-                    time.sleep(policy.delay(attempt))
-        raise RemoteReadError(
-            f"{self.url}: {doing} failed {policy.retries + 1} times ({_one_line(failure)}); check the storage "
-            "service and network and run again (more patience: CKPTFLOW_READ_RETRIES, CKPTFLOW_READ_BACKOFF)"
-        )
+            raise RemoteReadError(
+                f"{self.url}: {doing} failed {policy.retries + 1} times ({_one_line(failure)}); check the storage "
+                "service and network and run again (more patience: CKPTFLOW_READ_RETRIES, CKPTFLOW_READ_BACKOFF)"
+            ) from None
 
     def __str__(self) -> str:
         return self.url

@@ -151,3 +151,14 @@ def test_missing_remote_file_is_not_retried(flaky, demo, tmp_path):
     with pytest.raises(FileNotFoundError):
         Location.of(f"flaky://{demo('fsdp2-w2').role_dir}/no-such-file.pt").local_file()
     assert len(flaky.opened) == 0  # the stat said "not there": nothing to retry
+
+
+def test_retry_policy_docstrings():
+    import doctest
+
+    import mergecore.hub
+    import mergecore.retries
+
+    for module in (mergecore.retries, mergecore.hub):
+        result = doctest.testmod(module)
+        assert result.attempted and result.failed == 0, module.__name__
