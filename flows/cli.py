@@ -128,7 +128,7 @@ def run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_sh
 
 def warn_nonfinite(found: dict) -> None:
     """One warning line per published tensor holding NaN/Inf (always shown: `warn` publishes them)."""
-    from mergecore.merge import describe_counts
+    from mergecore.nonfinite import describe_counts
 
     for name, counts in found.items():
         err.print(f"[bold yellow]warning:[/] {name}: {describe_counts(counts)} (published; listed in the manifest)",
@@ -168,7 +168,7 @@ def merge(
     manifest = run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size,
                          tie_word_embedding, is_value_model, overwrite, not skip_verify, check_replicas, workers,
                          custom_mapping, on_nonfinite)
-    from mergecore.merge import nonfinite_found
+    from mergecore.nonfinite import nonfinite_found
 
     warn_nonfinite(nonfinite_found(manifest.get("groups_written", [])))
     checks = ", ".join(f"{c['check']} ok" for c in manifest.get("verification", [])) or "not verified"

@@ -15,7 +15,7 @@ from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
 
-from mergecore.merge import check_nonfinite_policy, nonfinite_found
+from mergecore.nonfinite import check_nonfinite_policy, nonfinite_found
 from mergecore.output import BackgroundHashes
 from tasks import (discover_shards, finalize_model, merge_group, plan_groups, prepare_staging, push_to_hub,
                    run_equivalence_tests, validate_metadata)

@@ -19,12 +19,10 @@ from .errors import CheckpointError
 from .formats import CheckpointSource, open_checkpoint
 from .formats.base import read_hf_config
 from .layout import EMBEDDING, OUTPUT, check_against_config, tied_embeddings
+from .nonfinite import check_nonfinite_policy, nonfinite_error
 from .plan import MergePlan, make_plan, parse_size
 from .storage import Location
 from .writer import PARTIAL_SUFFIX, TensorWriter, prepare_files, room_checked
-
-NONFINITE_POLICIES = ("fail", "warn")
-
 
 class Stopwatch:
     """Seconds per phase, for reports: `lap("merge")` records the time since the previous lap."""
@@ -192,32 +190,6 @@ def merge_group(
                "seconds": round(time.perf_counter() - started, 3)}
     nonfinite = {name: counts for _, name, counts in done if counts}
     return {**receipt, "nonfinite": nonfinite} if nonfinite else receipt
-
-
-def check_nonfinite_policy(on_nonfinite: str) -> None:
-    if on_nonfinite not in NONFINITE_POLICIES:
-        raise CheckpointError(f"--on-nonfinite {on_nonfinite!r}: choose one of {', '.join(NONFINITE_POLICIES)}")
-
-
-def nonfinite_error(found: dict[str, dict[str, int]], source) -> CheckpointError:
-    """The one-line refusal of non-finite weights: the first tensor, its counts, where it came from, the fix."""
-    name, counts = next(iter(found.items()))
-    more = f" (and {len(found) - 1} more tensors)" if len(found) > 1 else ""
-    return CheckpointError(
-        f"{name} in {source}: {describe_counts(counts)} after conversion{more}; training may have diverged "
-        "(or values overflow the output dtype): pick an earlier checkpoint, or pass --on-nonfinite warn to publish anyway"
-    )
-
-
-def describe_counts(counts: dict[str, int]) -> str:
-    """`{"nan": 1, "+inf": 2, "-inf": 0}` -> `"1 NaN, 2 +Inf"`."""
-    labels = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}
-    return ", ".join(f"{n} {labels[kind]}" for kind, n in counts.items() if n)
-
-
-def nonfinite_found(receipts: list[dict]) -> dict[str, dict[str, int]]:
-    """{tensor: counts} over the receipts of merge_group (fresh or cached), in plan order."""
-    return {name: counts for receipt in receipts for name, counts in receipt.get("nonfinite", {}).items()}
 
 
 def finalize(

@@ -10,7 +10,8 @@ from prefect.cache_policies import NO_CACHE
 from mergecore import CheckpointError, MergePlan
 from mergecore import finalize as finalize_folder
 from mergecore import merge_group as merge_one_group
-from mergecore.merge import nonfinite_error, nonfinite_found, published_manifest, refresh_published
+from mergecore.merge import published_manifest, refresh_published
+from mergecore.nonfinite import nonfinite_error, nonfinite_found
 from mergecore.output import BackgroundHashes
 from mergecore.verify import reference_checks
 from mergecore.writer import room_checked

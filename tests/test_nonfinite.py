@@ -116,3 +116,12 @@ def test_promote_refuses_them_even_from_groups_cached_by_a_warn_run(prefect_serv
     # every group is a cache hit now (warn/fail is not in the cache key): the receipts still say NaN
     with pytest.raises(CheckpointError, match=DIVERGED):
         promote(on_nonfinite="fail", hub_repo="alice/never-pushed")
+
+
+def test_policy_docstrings():
+    import doctest
+
+    import mergecore.nonfinite
+
+    result = doctest.testmod(mergecore.nonfinite)
+    assert result.attempted and result.failed == 0
