@@ -42,7 +42,7 @@ from typing import Any
 
 __all__ = ["DemoSpec", "DemoCheckpoint", "DemoCheckpointError", "write_demo_checkpoint"]
 
-ARCHS = ("qwen2", "llama", "critic")
+ARCHS = ("qwen2", "llama", "critic", "qwen3_moe")
 MODES = ("fsdp2", "hsdp", "fsdp1_mesh", "fsdp1", "single")
 CONFIG_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -248,6 +248,8 @@ def _build_config(spec: DemoSpec, tokenizer):
     )
     if spec.head_dim is not None:
         common["head_dim"] = spec.head_dim
+    if spec.arch in _IN_MEMORY_LAYOUT_ARCHS:
+        return _in_memory_layout_config(spec, common)
     if spec.arch == "llama":
         config = LlamaConfig(**common)
         config.architectures = ["LlamaForCausalLM"]
@@ -263,6 +265,8 @@ def _build_config(spec: DemoSpec, tokenizer):
 
 
 def _model_class(arch: str):
+    if arch in _IN_MEMORY_LAYOUT_ARCHS:
+        return _in_memory_layout_model_class(arch)
     if arch == "llama":
         from transformers import LlamaForCausalLM
 
@@ -298,6 +302,27 @@ def _write_hf_dir(spec: DemoSpec, hf_dir: Path, tokenizer) -> None:
             top_p=0.8,
         ).save_pretrained(hf_dir)
     _save_tokenizer(tokenizer, hf_dir, spec.arch)
+
+
+# Models transformers 5 keeps in memory in another layout than the Hub's files (FSDP saves the in-memory
+# one; save_pretrained writes the Hub's): Qwen3-MoE packs each layer's experts into 3-D tensors.
+_IN_MEMORY_LAYOUT_ARCHS = ("qwen3_moe",)
+_MOE_EXPERTS = 4
+
+
+def _in_memory_layout_config(spec: DemoSpec, common: dict):
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(**common, num_experts=_MOE_EXPERTS, num_experts_per_tok=2,
+                            moe_intermediate_size=spec.intermediate_size // 4, decoder_sparse_step=1)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    return config
+
+
+def _in_memory_layout_model_class(arch: str):
+    from transformers import Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM
 
 
 # --------------------------------------------------------------------------- training (every rank)

@@ -15,7 +15,8 @@ import numpy as np
 from ..arrays import bitwise_equal
 from ..errors import CheckpointError
 from ..storage import Location
-from .base import CheckpointSource, Piece, TensorInfo
+from ..hub_layout import HubSlice, hub_slices, needs_transformers
+from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from .detect import FSDP_RANK_FILE as RANK_FILE
 from .torchfile import DTensorRecord, ShardedTensorRecord, load
 
@@ -139,8 +140,8 @@ class FsdpCheckpoint(CheckpointSource):
         return [load_rank_file(self.rank_location(r).local_file(), str(self.rank_location(r))) for r in range(self.world_size)]
 
     @cached_property
-    def _pieces(self) -> dict[str, list[Piece]]:
-        """Every tensor's pieces, from metadata alone (values stay mmapped)."""
+    def _saved_pieces(self) -> dict[str, list[Piece]]:
+        """Every saved tensor's pieces, from metadata alone (values stay mmapped)."""
         table: dict[str, list[Piece]] = {}
         for rank, state in enumerate(self._states):
             shown = str(self.rank_location(rank))
@@ -174,12 +175,38 @@ class FsdpCheckpoint(CheckpointSource):
         raise CheckpointError(f"{shown}: entry {name} is a {type(value).__name__}, not a tensor")
 
     @cached_property
-    def _infos(self) -> dict[str, TensorInfo]:
+    def _saved_infos(self) -> dict[str, TensorInfo]:
         infos = {}
         for name, value in self._states[0].items():
             shape, dtype = _global_view(value)
             infos[name] = TensorInfo(name, shape, dtype, _layout_text(value))
         return infos
+
+    @cached_property
+    def _hub(self) -> dict[str, HubSlice] | None:
+        """Where transformers' in-memory layout differs from the Hub's (packed MoE experts, VLM prefixes):
+        each output tensor as a slice of one saved tensor. None when the saved names are the Hub's."""
+        if not needs_transformers(self._saved_infos):
+            return None
+        config_file = self.hf_dir.join("config.json") if self.hf_dir else None
+        if config_file is None or not config_file.exists():
+            return None  # nothing says which model this is: keep the saved names
+        return hub_slices(read_hf_config(self), {name: info.shape for name, info in self._saved_infos.items()})
+
+    @cached_property
+    def _infos(self) -> dict[str, TensorInfo]:
+        if self._hub is None:
+            return self._saved_infos
+        saved = self._saved_infos
+        return {name: TensorInfo(name, s.shape, saved[s.source].dtype, saved[s.source].layout)
+                for name, s in self._hub.items()}
+
+    @cached_property
+    def _pieces(self) -> dict[str, list[Piece]]:
+        if self._hub is None:
+            return self._saved_pieces
+        return {name: [p for piece in self._saved_pieces[s.source] if (p := _piece_in_slice(piece, s))]
+                for name, s in self._hub.items()}
 
     def tensors(self) -> dict[str, TensorInfo]:
         return self._infos
@@ -194,7 +221,7 @@ class FsdpCheckpoint(CheckpointSource):
 
     def validate(self, check_replicas: bool = False) -> None:
         self._check_same_keys()
-        for name, info in self.tensors().items():
+        for name, info in self._saved_infos.items():
             self._check_same_global_view(name, info)
             self._check_tiling(name, info)
             if check_replicas:
@@ -234,7 +261,7 @@ class FsdpCheckpoint(CheckpointSource):
 
     def _check_tiling(self, name: str, info: TensorInfo) -> None:
         """The primary pieces must cover the global tensor exactly once."""
-        primary = [p for p in self._pieces[name] if p.primary]
+        primary = [p for p in self._saved_pieces[name] if p.primary]
         covered = 0
         for piece in primary:
             if tuple(piece.tensor.shape) != piece.sizes:
@@ -253,8 +280,8 @@ class FsdpCheckpoint(CheckpointSource):
             )
 
     def _check_replicas(self, name: str) -> None:
-        primary = {p.offsets: p for p in self._pieces[name] if p.primary}
-        for piece in self._pieces[name]:
+        primary = {p.offsets: p for p in self._saved_pieces[name] if p.primary}
+        for piece in self._saved_pieces[name]:
             if not piece.primary and not bitwise_equal(piece.tensor, primary[piece.offsets].tensor):
                 raise CheckpointError(
                     f"{piece.source}: tensor {name} differs from the same shard on another data-parallel replica; "
@@ -284,3 +311,15 @@ def _overlaps(a: Piece, b: Piece) -> bool:
     if 0 in a.sizes or 0 in b.sizes:
         return False
     return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+
+
+def _piece_in_slice(piece: Piece, hub: HubSlice) -> Piece | None:
+    """The part of a saved piece inside an output's slice, in the output's coordinates (a view)."""
+    low = [max(o, a) for o, a in zip(piece.offsets, hub.start)]
+    high = [min(o + s, b) for o, s, b in zip(piece.offsets, piece.sizes, hub.stop)]
+    if any(h <= lo for lo, h in zip(low, high)):
+        return None
+    local = piece.tensor[tuple(slice(lo - o, h - o) for lo, h, o in zip(low, high, piece.offsets))]
+    offsets = tuple(0 if d is None else low[d] - hub.start[d] for d in hub.dims)
+    sizes = tuple(1 if d is None else high[d] - low[d] for d in hub.dims)
+    return Piece(piece.source, offsets, sizes, local.reshape(sizes), piece.primary)

@@ -1,0 +1,163 @@
+"""The Hub's on-disk layout of a checkpoint that holds transformers' in-memory layout, asked of transformers.
+
+transformers 5 converts some models on load (Qwen3-MoE experts packed into `mlp.experts.gate_up_proj`,
+Qwen2.5-VL under `model.language_model.` / `model.visual.`) and reverts that on `save_pretrained` with
+`transformers.core_model_loading.revert_weight_conversion`. FSDP rank files hold the in-memory layout.
+We run that very function on meta tensors (no memory) with `.contiguous()` turned into a no-op, so every
+output stays a *view* of its source; each view's geometry is then read back as a box of one source tensor.
+Each output tensor is thus computed from one source slice: streamable one tensor at a time.
+Reverse conversions that combine several sources or reorder elements are refused (see docs/hub_layout.md).
+
+>>> slices = hub_slices(config, {"model.layers.0.mlp.experts.gate_up_proj": (4, 64, 64)})  # doctest: +SKIP
+>>> slices["model.layers.0.mlp.experts.1.up_proj.weight"]                                   # doctest: +SKIP
+HubSlice(source='model.layers.0.mlp.experts.gate_up_proj', start=(1, 32, 0), stop=(2, 64, 64), dims=(1, 2))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import CheckpointError
+from .layout import _PATTERNS
+
+
+@dataclass(frozen=True)
+class HubSlice:
+    """Output tensor = `source[start:stop]` with the source dims not in `dims` squeezed (each of size 1).
+
+    `dims[j]` is the source dim output dim j runs along, or None for an output dim of size 1.
+    """
+
+    source: str
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+    dims: tuple[int | None, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(1 if d is None else self.stop[d] - self.start[d] for d in self.dims)
+
+    def is_whole(self, source_shape: tuple[int, ...]) -> bool:
+        return self.start == (0,) * len(source_shape) and self.stop == tuple(source_shape) and \
+            self.dims == tuple(range(len(source_shape)))
+
+
+def needs_transformers(names) -> bool:
+    """False when every name is already a known Hub decoder name: no need to import transformers."""
+    return not all(any(regex.match(name) for regex, _ in _PATTERNS) for name in names)
+
+
+def hub_slices(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, HubSlice] | None:
+    """Output name -> HubSlice, in source order, as `save_pretrained` of the model would name and shape
+    them; None when transformers converts nothing for this model (names are already the Hub's).
+    """
+    if not needs_transformers(shapes):
+        return None
+    model = _meta_model(config)
+    if model is None:
+        return None
+    import torch
+
+    from transformers.core_model_loading import revert_weight_conversion
+
+    sources = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    with _ViewsOnly():
+        reverted = revert_weight_conversion(model, dict(sources))
+    if set(reverted) == set(sources) and all(reverted[n] is sources[n] for n in sources):
+        return None
+    by_id = {id(t): name for name, t in sources.items()}
+    slices = {name: _as_slice(name, tensor, by_id, sources) for name, tensor in reverted.items()}
+    order = {name: i for i, name in enumerate(shapes)}
+    slices = dict(sorted(slices.items(), key=lambda item: (order[item[1].source], item[1].start)))
+    _check_coverage(slices, shapes)
+    return slices
+
+
+def _meta_model(config: dict):
+    """The config's model class built on the meta device (no memory), or None when transformers has no
+    such class (custom code: we never load model code, so its names stay as saved)."""
+    import torch
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    architecture = (config.get("architectures") or [None])[0]
+    model_class = getattr(transformers, architecture, None) if architecture else None
+    if model_class is None or config.get("model_type") not in CONFIG_MAPPING:
+        return None
+    hf_config = CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    with torch.device("meta"):
+        return model_class._from_config(hf_config)
+
+
+class _ViewsOnly:
+    """A torch function mode in which `.contiguous()` returns its input, so slices stay views."""
+
+    def __enter__(self):
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func is torch.Tensor.contiguous:
+                    return args[0]
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+def _as_slice(name: str, tensor, by_id: dict[int, str], sources: dict) -> HubSlice:
+    root = tensor if id(tensor) in by_id else tensor._base
+    if root is None or id(root) not in by_id:
+        raise CheckpointError(
+            f"transformers' save conversion builds {name} from several tensors; ckptflow writes only outputs "
+            "that are a slice of one saved tensor: load the model and save_pretrained it instead (see docs/hub_layout.md)"
+        )
+    source = by_id[id(root)]
+    shape = tuple(root.shape)
+    contiguous = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        contiguous[d] = contiguous[d + 1] * shape[d + 1]
+    offset = tensor.storage_offset()
+    start = [(offset // c) % s if s else 0 for c, s in zip(contiguous, shape)]
+    stop = [i + 1 for i in start]
+    dims, last = [], -1
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        if size == 1:
+            dims.append(None)
+            continue
+        d = next((d for d in range(last + 1, len(shape)) if contiguous[d] == stride and shape[d] >= size), None)
+        if d is None:
+            raise CheckpointError(
+                f"transformers' save conversion reorders the elements of {source} to make {name}; ckptflow "
+                "streams only slices: load the model and save_pretrained it instead (see docs/hub_layout.md)"
+            )
+        stop[d] = start[d] + size
+        dims.append(d)
+        last = d
+    if sum(i * c for i, c in zip(start, contiguous)) != offset:
+        raise CheckpointError(f"{name}: transformers' save conversion is not a box of {source}; please report this")
+    return HubSlice(source, tuple(start), tuple(stop), tuple(dims))
+
+
+def _check_coverage(slices: dict[str, HubSlice], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every saved element lands in exactly one output, so the round-trip check covers all of them."""
+    volume = {name: 0 for name in shapes}
+    for s in slices.values():
+        n = 1
+        for a, b in zip(s.start, s.stop):
+            n *= b - a
+        volume[s.source] += n
+    for name, shape in shapes.items():
+        total = 1
+        for size in shape:
+            total *= size
+        if volume[name] != total:
+            raise CheckpointError(
+                f"transformers' save conversion writes {volume[name]} of the {total} elements of {name}; "
+                "ckptflow would lose or duplicate weights: please report this"
+            )

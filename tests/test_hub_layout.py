@@ -1,0 +1,61 @@
+"""Checkpoints holding transformers 5's in-memory layout come out in the Hub's layout (what save_pretrained writes).
+
+The fixture is a tiny Qwen3-MoE trained one step under real FSDP2 on 2 gloo ranks and saved as verl saves it:
+its rank files hold the packed experts `mlp.experts.gate_up_proj [E, 2I, H]`; `reference/` is save_pretrained
+of the same trained model (per-expert `mlp.experts.N.{gate,up,down}_proj.weight`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from ckptflow_testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
+from mergecore import compare_logits, merge_checkpoint, open_checkpoint
+from mergecore.formats.fsdp import load_rank_file
+from weights import load_folder
+
+
+@pytest.fixture(scope="session")
+def moe(tmp_path_factory):
+    return write_demo_checkpoint(tmp_path_factory.mktemp("qwen3-moe"), DemoSpec(arch="qwen3_moe", world_size=2))
+
+
+def test_rank_files_hold_packed_experts(moe):
+    """The premise: verl's FSDP files hold the in-memory (packed) layout, not the Hub's."""
+    state = load_rank_file(str(moe.role_dir / "model_world_size_2_rank_0.pt"), "rank 0")
+    assert tuple(state["model.layers.0.mlp.experts.gate_up_proj"].shape) == (4, 80, 64)
+    assert not any(".experts.0." in name for name in state)
+
+
+def test_moe_merges_to_save_pretrained_layout(moe, tmp_path):
+    out = tmp_path / "out"
+    manifest = merge_checkpoint(str(moe.role_dir), out, dtype="keep")
+    assert [c["check"] for c in manifest["verification"]] == ["round-trip"]
+    weights, reference = load_folder(out), load_folder(moe.reference_dir)
+    assert sorted(weights) == sorted(reference)
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in weights
+    for name, tensor in reference.items():
+        assert weights[name].shape == tensor.shape and torch.equal(weights[name], tensor), name
+    assert compare_logits(out, moe.reference_dir)["max_abs_diff"] == 0.0
+
+
+def test_moe_cast_keeps_hub_names_and_bf16_values(moe, tmp_path):
+    out = tmp_path / "bf16"
+    merge_checkpoint(str(moe.role_dir), out, dtype="bf16", max_shard_size="40KB")
+    weights, reference = load_folder(out), load_folder(moe.reference_dir)
+    assert sorted(weights) == sorted(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(weights[name], tensor.to(torch.bfloat16)), name
+
+
+def test_each_expert_is_one_slice_of_the_packed_tensor(moe):
+    """Bounded memory: an output tensor is read from the part of each rank's shard it needs."""
+    source = open_checkpoint(str(moe.role_dir))
+    pieces = list(source.pieces("model.layers.0.mlp.experts.3.up_proj.weight"))
+    assert [p.sizes for p in pieces] == [(40, 64)]          # expert 3 lives on rank 1 only (Shard(0) of 4 experts)
+    assert pieces[0].source.endswith("rank_1.pt")
+    with safe_open(str(moe.reference_dir / "model.safetensors"), "pt") as ref:
+        want = ref.get_tensor("model.layers.0.mlp.experts.3.up_proj.weight")
+    assert torch.equal(torch.from_numpy(source.read("model.layers.0.mlp.experts.3.up_proj.weight")), want)
