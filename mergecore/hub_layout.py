@@ -84,9 +84,14 @@ def _meta_model(config: dict):
     model_class = getattr(transformers, architecture, None) if architecture else None
     if model_class is None or config.get("model_type") not in CONFIG_MAPPING:
         return None
-    hf_config = CONFIG_MAPPING[config["model_type"]].from_dict(config)
-    with torch.device("meta"):
-        return model_class._from_config(hf_config)
+    try:
+        hf_config = CONFIG_MAPPING[config["model_type"]].from_dict(config)
+        with torch.device("meta"):
+            return model_class._from_config(hf_config)
+    except Exception as exc:  # transformers' own complaint about the config, on one line
+        reason = " ".join(str(exc).split())[:200]
+        raise CheckpointError(f"config.json: transformers cannot build {architecture} from it ({reason}); "
+                              "fix it or pass --hf_model_path with the base model's folder") from None
 
 
 class _ViewsOnly:

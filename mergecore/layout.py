@@ -37,6 +37,8 @@ CHECKED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 EMBEDDING = "model.embed_tokens.weight"
 OUTPUT = "lm_head.weight"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# A vision-language model's vision tower (Qwen2/2.5/3-VL `visual.`, LLaVA-style `vision_tower.`): its own groups.
+_VISION = re.compile(r"(?:^|\.)(?:visual|vision_tower|vision_model)\.(?:.*?\b(?:blocks|layers|layer)\.(\d+)\.)?")
 _PATTERNS = [(re.compile("^" + re.escape(p).replace(r"\{\}", r"(\d+)") + "$"), p) for p in DECODER_SHAPES]
 
 
@@ -46,11 +48,15 @@ def layer_index(name: str) -> int | None:
 
 
 def group_of(name: str) -> tuple[tuple[int, int], str]:
-    """(sort key, group name): embeddings first, then each decoder layer, then norm and heads.
+    """(sort key, group name): embeddings first, then each decoder layer, then norm and heads, then a
+    vision tower (its blocks one group each, the rest one group).
 
     >>> group_of("model.layers.3.mlp.up_proj.weight")
     ((1, 3), 'layers.3')
     """
+    vision = _VISION.search(name)
+    if vision:
+        return ((3, int(vision[1])), f"visual.blocks.{vision[1]}") if vision[1] else ((3, -1), "visual")
     layer = layer_index(name)
     if layer is not None:
         return (1, layer), f"layers.{layer}"

@@ -59,3 +59,35 @@ def test_each_expert_is_one_slice_of_the_packed_tensor(moe):
     with safe_open(str(moe.reference_dir / "model.safetensors"), "pt") as ref:
         want = ref.get_tensor("model.layers.0.mlp.experts.3.up_proj.weight")
     assert torch.equal(torch.from_numpy(source.read("model.layers.0.mlp.experts.3.up_proj.weight")), want)
+
+
+def test_vlm_names_and_groups_are_the_hub_layout(tmp_path):
+    """Qwen2.5-VL: in-memory `model.language_model.*` / `model.visual.*` -> what save_pretrained writes; the
+    vision tower gets groups of its own (never the embed or head group)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from mergecore.hub_layout import hub_slices
+    from mergecore.layout import group_of
+
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=1),
+        vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           fullatt_block_indexes=[1]))
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    model.save_pretrained(tmp_path)
+    in_memory = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    assert any(name.startswith("model.language_model.") for name in in_memory)
+
+    slices = hub_slices(config.to_dict(), in_memory)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as saved:
+        written = {name: tuple(saved.get_slice(name).get_shape()) for name in saved.keys()}
+    assert {name: s.shape for name, s in slices.items()} == written
+    assert all(s.is_whole(in_memory[s.source]) for s in slices.values())  # renames only
+
+    groups = {name: group_of(name)[1] for name in written}
+    assert groups["visual.blocks.1.attn.qkv.weight"] == "visual.blocks.1"
+    assert groups["visual.patch_embed.proj.weight"] == "visual"
+    assert groups["model.layers.0.self_attn.q_proj.weight"] == "layers.0"
+    assert not any(g in ("embed", "head") for name, g in groups.items() if name.startswith("visual."))
