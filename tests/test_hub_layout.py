@@ -91,3 +91,12 @@ def test_vlm_names_and_groups_are_the_hub_layout(tmp_path):
     assert groups["visual.patch_embed.proj.weight"] == "visual"
     assert groups["model.layers.0.self_attn.q_proj.weight"] == "layers.0"
     assert not any(g in ("embed", "head") for name, g in groups.items() if name.startswith("visual."))
+
+
+def test_inspect_reports_the_hub_layout(moe):
+    from mergecore.inspect import describe_checkpoint
+
+    groups = {g["group"]: g for g in describe_checkpoint(str(moe.role_dir))["groups"]}
+    assert list(groups) == ["embed", "layers.0", "layers.1", "head"]
+    reference = load_folder(moe.reference_dir)
+    assert groups["layers.0"]["tensors"] == sum(name.startswith("model.layers.0.") for name in reference)
