@@ -35,6 +35,9 @@ TRUST_REMOTE_CODE = typer.Option(False, "--trust-remote-code", "--trust_remote_c
 ATOL = typer.Option(None, "--atol", help="Absolute tolerance: tensors (default 0, exact) and logits (default 1e-5).")
 RTOL = typer.Option(None, "--rtol", help="Relative tolerance: tensors and logits (default 0).")
 CUSTOM_MAPPING = typer.Option(None, "--custom-mapping", "--custom_mapping", help="JSON/YAML file of extra Megatron -> HF name patterns.")
+LORA_ALPHA = typer.Option(None, "--lora-alpha", "--lora_alpha", help="LoRA alpha (default: lora_train_meta.json or adapter_config.json; never guessed).")
+LORA_R = typer.Option(None, "--lora-r", "--lora_r", help="LoRA rank (default: the checkpoint's metadata, else the tensors).")
+TARGET_MODULES = typer.Option(None, "--target-modules", "--target_modules", help="LoRA target modules, comma separated (default: the adapted modules found).")
 NONFINITE_HELP = "NaN/Inf in the converted weights: fail (exit 2, nothing published) or warn (publish, list them in the manifest)."
 CPU_INIT = typer.Option(False, "--use_cpu_initialization", "--use-cpu-initialization", hidden=True, help="Accepted for verl compatibility; ckptflow always merges on CPU.")
 
@@ -91,6 +94,12 @@ def check_value_model(is_value_model: bool, config: dict) -> None:
         )
 
 
+def lora_overrides(alpha: float | None, r: int | None, target_modules: str | None) -> dict | None:
+    """Explicit LoRA hyperparameters (they win over the checkpoint's metadata); None when none was given."""
+    given = {"alpha": alpha, "r": r, "target_modules": target_modules}
+    return {k: v for k, v in given.items() if v is not None} or None
+
+
 def _progress() -> Progress:
     return Progress(
         TextColumn("[bold]{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
@@ -99,14 +108,14 @@ def _progress() -> Progress:
 
 
 def run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size, tie, is_value_model,
-              overwrite, verify, check_replicas, workers, custom_mapping=None, on_nonfinite="warn") -> dict:
+              overwrite, verify, check_replicas, workers, custom_mapping=None, on_nonfinite="warn", lora=None) -> dict:
     """Prepare, merge with a progress bar, verify and publish; returns the manifest."""
     from mergecore import CheckpointError, merge_checkpoint, prepare
     from mergecore.merge import check_target
 
     check_target(target_dir, overwrite)
     prepared = prepare(local_dir, role, backend, hf_model_path, dtype, max_shard_size, True if tie else None,
-                       check_replicas, custom_mapping)
+                       check_replicas, custom_mapping, lora=lora)
     check_value_model(is_value_model, prepared.config)
     with _progress() as progress:
         bar = progress.add_task("merging", total=len(prepared.plan.groups))
@@ -158,8 +167,14 @@ def merge(
     hf_upload_path: Optional[str] = typer.Option(None, "--hf_upload_path", "--hf-upload-path", help="Also push to this Hub repo (org/name)."),
     private: Optional[bool] = typer.Option(None, "--private/--public", help="With --hf_upload_path: visibility of a newly created repo (default private)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="With --hf_upload_path: branch to push to (created if missing)."),
+    lora_alpha: Optional[float] = LORA_ALPHA,
+    lora_r: Optional[int] = LORA_R,
+    target_modules: Optional[str] = TARGET_MODULES,
 ):
-    """Merge a checkpoint into a verified Hugging Face folder (and optionally push it to the Hub)."""
+    """Merge a checkpoint into a verified Hugging Face folder (and optionally push it to the Hub).
+
+    A LoRA checkpoint (verl FSDP with peft) is merged as its fused model: W + (alpha/r)·B·A.
+    """
     if not hf_upload_path and (private is not None or revision):
         refuse(f"--{'revision' if revision else 'private' if private else 'public'} only applies with --hf_upload_path ORG/NAME")
     if trust_remote_code:
@@ -167,7 +182,7 @@ def merge(
                "check of `ckptflow test` and `ckptflow verify --logits`: drop it here")
     manifest = run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size,
                          tie_word_embedding, is_value_model, overwrite, not skip_verify, check_replicas, workers,
-                         custom_mapping, on_nonfinite)
+                         custom_mapping, on_nonfinite, lora_overrides(lora_alpha, lora_r, target_modules))
     from mergecore.nonfinite import nonfinite_found
 
     warn_nonfinite(nonfinite_found(manifest.get("groups_written", [])))
@@ -242,6 +257,9 @@ def verify(
                                  hf_dir=hf_model_path or used.get("hf_dir"),
                                  custom_mapping=custom_mapping or used.get("custom_mapping")
                                  or manifest["source"].get("custom_mapping"))
+        from mergecore.lora import lora_view
+
+        source = lora_view(source, used.get("lora"))  # a fused LoRA merge is checked against base and adapter pieces
         results.append(verify_round_trip(source, folder, manifest.get("aliases", {})))
     if reference:
         results += reference_checks(folder, reference, trust_remote_code, logits, atol, rtol)
@@ -264,11 +282,15 @@ def inspect(
     backend: str = BACKEND,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     custom_mapping: Optional[str] = CUSTOM_MAPPING,
+    lora_alpha: Optional[float] = LORA_ALPHA,
+    lora_r: Optional[int] = LORA_R,
+    target_modules: Optional[str] = TARGET_MODULES,
 ):
-    """Describe a checkpoint: format, world size, mesh, placements, tensors and bytes per group."""
+    """Describe a checkpoint: format, world size, mesh, placements, tensors and bytes per group (and its LoRA)."""
     from mergecore.inspect import describe_checkpoint
 
-    report = describe_checkpoint(source, role=role, backend=backend, custom_mapping=custom_mapping)
+    report = describe_checkpoint(source, role=role, backend=backend, custom_mapping=custom_mapping,
+                                 lora=lora_overrides(lora_alpha, lora_r, target_modules))
     if as_json:
         print(json.dumps(report, indent=2))
         return
@@ -279,6 +301,14 @@ def inspect(
         table.add_row(group["group"], str(group["tensors"]), f"{group['bytes']:,}", ", ".join(group["dtypes"]),
                       "; ".join(group["layouts"]))
     out.print(table)
+    if "lora" in report:
+        found = report["lora"]
+        came = found["source"]
+        out.print(f"LoRA ({found['save']} save): r {found['r']} ({came['r']}), alpha "
+                  f"{found['alpha'] if found['alpha'] is not None else 'unknown: pass --lora-alpha'}"
+                  f"{' (' + came['alpha'] + ')' if 'alpha' in came else ''}, target modules "
+                  f"{', '.join(found['target_modules'])} ({came['target_modules']}), adapters {', '.join(found['adapters'])}",
+                  highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -72,3 +72,93 @@ def test_fixture_adapter_matters_and_references_agree(lora_full):
     assert (base_logits - own["logits"]).abs().max() > 1e-2  # B is nonzero: the adapter changes the model
     adapter = load_file(ref / "lora_adapter" / "adapter_model.safetensors")
     assert all(t.abs().max() > 0 for n, t in adapter.items() if "lora_B" in n)
+
+
+# ---- detection, hyperparameters, inspect
+
+
+def _copy_role(demo, dest):
+    import shutil
+
+    shutil.copytree(demo.role_dir, dest)
+    return dest
+
+
+def test_inspect_reports_lora_of_a_full_save(cli, lora_full):
+    result = cli("inspect", lora_full.run_root, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    lora = report["lora"]
+    assert (lora["save"], lora["r"], lora["alpha"]) == ("full", LORA_R, LORA_ALPHA)
+    assert lora["target_modules"] == ["q_proj", "v_proj"] and lora["adapters"] == ["default"]
+    assert lora["source"]["alpha"].endswith("lora_train_meta.json") and lora["source"]["target_modules"] == "tensors"
+    # adapter tensors group with the layer they adapt, not as extra groups
+    assert [g["group"] for g in report["groups"]] == ["embed", "layers.0", "layers.1", "head"]
+    table = cli("inspect", lora_full.run_root)
+    assert "LoRA (full save): r 8" in table.stdout and "alpha 16" in table.stdout
+
+
+def test_inspect_reports_a_lora_only_save_and_overrides_win(cli, lora_only):
+    report = json.loads(cli("inspect", lora_only.run_root, "--json", "--lora-alpha", "32").stdout)
+    assert report["lora"]["save"] == "lora_only"
+    assert report["lora"]["alpha"] == 32 and report["lora"]["source"]["alpha"] == "--lora-alpha"
+    assert [g["group"] for g in report["groups"]] == ["layers.0", "layers.1"]
+
+
+def test_alpha_is_never_guessed(cli, lora_full, tmp_path):
+    role = _copy_role(lora_full, tmp_path / "actor")
+    (role / "lora_train_meta.json").unlink()
+    result = cli("merge", "--local_dir", role, "--target_dir", tmp_path / "out")
+    assert result.exit_code == 2 and "--lora-alpha" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    assert json.loads(cli("inspect", role, "--json").stdout)["lora"]["alpha"] is None
+
+
+def test_rank_contradicting_the_tensors_is_refused(cli, lora_full, tmp_path):
+    result = cli("merge", "--local_dir", lora_full.role_dir, "--target_dir", tmp_path / "out", "--lora-r", "4")
+    assert result.exit_code == 2 and "rank [8]" in result.stderr and not (tmp_path / "out").exists()
+
+
+# ---- fused output
+
+
+@pytest.fixture(scope="module")
+def fused(lora_full, tmp_path_factory):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    target = tmp_path_factory.mktemp("fused") / "model"
+    result = CliRunner().invoke(app, ["merge", "--local_dir", str(lora_full.run_root), "--target_dir", str(target),
+                                      "--dtype", "fp32"])
+    assert result.exit_code == 0, result.output
+    return target
+
+
+def test_fused_tensors_equal_merge_and_unload(fused, lora_full):
+    from mergecore.tensorio import HfWeights
+
+    ref = load_file(lora_full.reference_dir / "model.safetensors")
+    with HfWeights(fused) as ours:
+        assert sorted(ours.names()) == sorted(ref)
+        for name, expected in ref.items():
+            torch.testing.assert_close(torch.from_numpy(ours.get(name).copy()), expected, atol=1e-6, rtol=1e-6)
+    base = load_file(lora_full.reference_dir / "base" / "model.safetensors")
+    assert not torch.equal(ref["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_fused_model_gives_the_trained_peft_models_logits(fused, lora_full):
+    from transformers import AutoModelForCausalLM
+
+    own = torch.load(lora_full.reference_dir / LOGITS_FILE, weights_only=True)
+    model = AutoModelForCausalLM.from_pretrained(fused, dtype=torch.float32)
+    torch.testing.assert_close(_logits(model, own["input_ids"]), own["logits"], atol=1e-5, rtol=1e-5)
+
+
+def test_fused_merge_round_trip_covers_base_and_adapter_pieces(cli, fused):
+    manifest = json.loads((fused / "ckptflow_manifest.json").read_text())
+    result = cli("verify", fused)
+    assert result.exit_code == 0, result.output
+    # 27 HF tensors x 2 ranks, plus A and B (2 ranks each) for 4 adapted weights
+    assert "pieces=70" in result.stdout.replace(" ", "")
+    assert manifest["source"]["lora"]["alpha"] == LORA_ALPHA and manifest["source"]["lora"]["output"] == "fused"
