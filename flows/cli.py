@@ -100,6 +100,26 @@ def lora_overrides(alpha: float | None, r: int | None, target_modules: str | Non
     return {k: v for k, v in given.items() if v is not None} or None
 
 
+def write_lora_adapter(local_dir, target_dir, backend, role, hf_model_path, overwrite, requested, overrides,
+                       hf_upload_path):
+    """Write the PEFT adapter folder when the LoRA output is `adapter` and return None; else the opened
+    source, for the normal merge (opened once)."""
+    from mergecore import open_checkpoint
+    from mergecore.lora import output_mode, write_adapter_folder
+    from mergecore.merge import check_target
+
+    check_target(target_dir, overwrite)  # a non-empty target is refused before the checkpoint is read, as always
+    source = open_checkpoint(local_dir, role, backend, hf_model_path)
+    if output_mode(source, requested) != "adapter":
+        return source
+    if hf_upload_path:
+        refuse("--hf_upload_path with a LoRA adapter output is not supported yet: push the adapter folder yourself")
+    report = write_adapter_folder(source, target_dir, overwrite, overrides)
+    out.print(f"LoRA adapter {source.location} -> {report['adapter']} (r {report['r']}, alpha {report['alpha']}; "
+              f"{report['tensors']} tensors, {report['pieces']} pieces checked)", highlight=False, soft_wrap=True)
+    return None
+
+
 def _progress() -> Progress:
     return Progress(
         TextColumn("[bold]{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
@@ -108,14 +128,15 @@ def _progress() -> Progress:
 
 
 def run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size, tie, is_value_model,
-              overwrite, verify, check_replicas, workers, custom_mapping=None, on_nonfinite="warn", lora=None) -> dict:
+              overwrite, verify, check_replicas, workers, custom_mapping=None, on_nonfinite="warn", lora=None,
+              source=None) -> dict:
     """Prepare, merge with a progress bar, verify and publish; returns the manifest."""
     from mergecore import CheckpointError, merge_checkpoint, prepare
     from mergecore.merge import check_target
 
     check_target(target_dir, overwrite)
     prepared = prepare(local_dir, role, backend, hf_model_path, dtype, max_shard_size, True if tie else None,
-                       check_replicas, custom_mapping, lora=lora)
+                       check_replicas, custom_mapping, source=source, lora=lora)
     check_value_model(is_value_model, prepared.config)
     with _progress() as progress:
         bar = progress.add_task("merging", total=len(prepared.plan.groups))
@@ -170,19 +191,30 @@ def merge(
     lora_alpha: Optional[float] = LORA_ALPHA,
     lora_r: Optional[int] = LORA_R,
     target_modules: Optional[str] = TARGET_MODULES,
+    lora: Optional[str] = typer.Option(None, "--lora", help="LoRA checkpoints: fuse (the full model, W + (alpha/r)·B·A; default) or adapter (a PEFT folder; the only output of save_lora_only)."),
 ):
     """Merge a checkpoint into a verified Hugging Face folder (and optionally push it to the Hub).
 
-    A LoRA checkpoint (verl FSDP with peft) is merged as its fused model: W + (alpha/r)·B·A.
+    A LoRA checkpoint (verl FSDP with peft) is merged as its fused model, or with --lora adapter written
+    as a PEFT adapter folder (adapter_config.json + adapter_model.safetensors).
     """
     if not hf_upload_path and (private is not None or revision):
         refuse(f"--{'revision' if revision else 'private' if private else 'public'} only applies with --hf_upload_path ORG/NAME")
     if trust_remote_code:
         refuse("--trust-remote-code: merge never loads model code (it reads tensors only); it applies to the logits "
                "check of `ckptflow test` and `ckptflow verify --logits`: drop it here")
+    overrides = lora_overrides(lora_alpha, lora_r, target_modules)
+    source = None
+    if custom_mapping is None:  # opened here once: a LoRA adapter output is written without the merge below
+        source = write_lora_adapter(local_dir, target_dir, backend, role, hf_model_path, overwrite, lora, overrides,
+                                    hf_upload_path)
+        if source is None:
+            return
+    elif lora is not None:
+        refuse("--lora applies to verl FSDP LoRA checkpoints, not with --custom-mapping: drop one")
     manifest = run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size,
                          tie_word_embedding, is_value_model, overwrite, not skip_verify, check_replicas, workers,
-                         custom_mapping, on_nonfinite, lora_overrides(lora_alpha, lora_r, target_modules))
+                         custom_mapping, on_nonfinite, overrides, source)
     from mergecore.nonfinite import nonfinite_found
 
     warn_nonfinite(nonfinite_found(manifest.get("groups_written", [])))

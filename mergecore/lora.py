@@ -296,3 +296,97 @@ def lora_view(source: CheckpointSource, overrides: dict | None = None) -> Checkp
     if not is_lora_checkpoint(source.tensors()):
         return source
     return LoraFusedSource(source, overrides)
+
+
+# ---- the PEFT adapter folder
+
+ADAPTER_FOLDER = "lora_adapter"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def peft_saved_name(name: str, adapter: str) -> str:
+    """PEFT's on-disk name: the in-memory one without the adapter name (`lora_A.default.weight` -> `lora_A.weight`)."""
+    return name.replace(f".{adapter}.weight", ".weight").replace(f".{adapter}", "")
+
+
+def adapter_config(hyper: LoraHyperparameters, base_model: str | None) -> dict:
+    """peft's adapter_config.json for these hyperparameters (fields peft leaves at defaults are omitted)."""
+    return {"peft_type": "LORA", "task_type": hyper.task_type or "CAUSAL_LM", "r": hyper.r,
+            "lora_alpha": hyper.alpha, "target_modules": list(hyper.target_modules), "use_rslora": hyper.use_rslora,
+            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+            "base_model_name_or_path": base_model}
+
+
+def write_adapter_folder(source: CheckpointSource, target, overwrite: bool = False, overrides: dict | None = None,
+                         base_model: str | None = None) -> dict:
+    """Write the adapter of a LoRA checkpoint (full or save_lora_only) as a PEFT folder at `target`, check every
+    saved piece against it bit for bit, and publish it atomically. Returns a small report.
+
+    >>> write_adapter_folder(open_checkpoint("ckpts/run1"), "out/adapter")  # doctest: +SKIP
+    {'adapter': 'out/adapter', 'tensors': 8, 'pieces': 16, 'r': 8, 'alpha': 16.0}
+    """
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from .arrays import bitwise_equal, cast, to_numpy
+    from .merge import check_target, staging_folder
+    from .publish import publish
+
+    inner = source.inner if isinstance(source, LoraFusedSource) else source
+    names = list(inner.tensors())
+    hyper = read_hyperparameters(inner, names, overrides)
+    hyper.scale  # noqa: B018  (refuses without alpha, before anything is written)
+    inner.validate()
+    pairs = adapter_pairs(names)
+    if len(hyper.adapters) != 1:
+        raise CheckpointError(f"{inner.location}: adapters {list(hyper.adapters)}; writing more than one adapter folder is not supported")
+    target_path = check_target(target, overwrite)
+    staging = staging_folder(target_path)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        saved = {peft_saved_name(n, p.adapter): n for p in pairs.values() for n in (p.a, p.b)}
+        save_file({out: np.ascontiguousarray(inner.read(n)) for out, n in saved.items()}, str(staging / ADAPTER_WEIGHTS),
+                  metadata={"format": "pt"})
+        config = adapter_config(hyper, base_model)
+        (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        pieces = 0
+        with safe_open(str(staging / ADAPTER_WEIGHTS), "np") as written:
+            for out, n in saved.items():
+                value = written.get_tensor(out)
+                for piece in inner.pieces(n):
+                    if not bitwise_equal(value[piece.index], cast(to_numpy(piece.tensor), str(value.dtype))):
+                        raise VerificationError(f"{piece.source}: adapter tensor {n} differs from {out} as written; do not use it (please report this)")
+                    pieces += 1
+        publish(staging, target_path, overwrite)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return {"adapter": str(target_path), "tensors": len(saved), "pieces": pieces, "r": hyper.r, "alpha": hyper.alpha}
+
+
+LORA_OUTPUTS = ("fuse", "adapter", "both")
+
+
+def output_mode(source: CheckpointSource, requested: str | None) -> str | None:
+    """What a merge of `source` writes: None (not LoRA), "fuse" (default for a full save) or "adapter"
+    (the only choice, and the default, for save_lora_only). Contradictions are refused in one line."""
+    names = list(source.tensors()) if source.format_name == "verl-fsdp" else []
+    lora = bool(names) and is_lora_checkpoint(names)
+    if requested is not None and requested not in LORA_OUTPUTS:
+        raise CheckpointError(f"--lora {requested}: choose one of {', '.join(LORA_OUTPUTS)}")
+    if not lora:
+        if requested is not None:
+            raise CheckpointError(f"{source.location}: --lora {requested} given but the checkpoint has no LoRA adapter tensors; drop the flag")
+        return None
+    if requested == "both":
+        raise CheckpointError("--lora both is not supported yet: merge twice, with --lora fuse and --lora adapter, into two targets")
+    if is_lora_only(names):
+        if requested == "fuse":
+            raise CheckpointError(f"{source.location}: holds only adapter tensors (save_lora_only): there is no base model to fuse into; use --lora adapter")
+        return "adapter"
+    return requested or "fuse"

@@ -162,3 +162,56 @@ def test_fused_merge_round_trip_covers_base_and_adapter_pieces(cli, fused):
     # 27 HF tensors x 2 ranks, plus A and B (2 ranks each) for 4 adapted weights
     assert "pieces=70" in result.stdout.replace(" ", "")
     assert manifest["source"]["lora"]["alpha"] == LORA_ALPHA and manifest["source"]["lora"]["output"] == "fused"
+
+
+# ---- adapter output
+
+
+def _peft_logits(base_dir, adapter_dir, ids):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    return _logits(PeftModel.from_pretrained(base, adapter_dir), ids)
+
+
+def test_lora_only_save_becomes_the_adapter_folder(cli, lora_only, tmp_path):
+    target = tmp_path / "adapter"
+    result = cli("merge", "--local_dir", lora_only.run_root, "--target_dir", target)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in target.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    ref = load_file(lora_only.reference_dir / "lora_adapter" / "adapter_model.safetensors")
+    ours = load_file(target / "adapter_model.safetensors")
+    assert sorted(ours) == sorted(ref) and all(torch.equal(ours[n], ref[n]) for n in ref)
+    config = json.loads((target / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (LORA_R, LORA_ALPHA, ["q_proj", "v_proj"])
+    own = torch.load(lora_only.reference_dir / LOGITS_FILE, weights_only=True)
+    torch.testing.assert_close(_peft_logits(lora_only.reference_dir / "base", target, own["input_ids"]), own["logits"],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_full_save_with_lora_adapter_writes_the_peft_folder(cli, lora_full, tmp_path):
+    target = tmp_path / "adapter"
+    result = cli("merge", "--local_dir", lora_full.run_root, "--target_dir", target, "--lora", "adapter")
+    assert result.exit_code == 0, result.output
+    ref = load_file(lora_full.reference_dir / "lora_adapter" / "adapter_model.safetensors")
+    ours = load_file(target / "adapter_model.safetensors")
+    assert sorted(ours) == sorted(ref) and all(torch.equal(ours[n], ref[n]) for n in ref)
+    own = torch.load(lora_full.reference_dir / LOGITS_FILE, weights_only=True)
+    torch.testing.assert_close(_peft_logits(lora_full.reference_dir / "base", target, own["input_ids"]), own["logits"],
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--lora", "fuse"], "no base model to fuse into"),
+    (["--lora", "both"], "--lora both is not supported yet"),
+    (["--lora", "nonsense"], "choose one of"),
+])
+def test_impossible_lora_outputs_are_refused(cli, lora_only, tmp_path, args, says):
+    result = cli("merge", "--local_dir", lora_only.run_root, "--target_dir", tmp_path / "out", *args)
+    assert result.exit_code == 2 and says in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_lora_flag_on_a_plain_checkpoint_is_refused(cli, demo, tmp_path):
+    result = cli("merge", "--local_dir", demo("fsdp2-w1").run_root, "--target_dir", tmp_path / "out", "--lora", "fuse")
+    assert result.exit_code == 2 and "no LoRA adapter tensors" in result.stderr
