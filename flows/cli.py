@@ -103,14 +103,17 @@ def lora_overrides(alpha: float | None, r: int | None, target_modules: str | Non
 def write_lora_adapter(local_dir, target_dir, backend, role, hf_model_path, overwrite, requested, overrides,
                        hf_upload_path):
     """Write the PEFT adapter folder when the LoRA output is `adapter` and return None; else the opened
-    source, for the normal merge (opened once)."""
+    source, for the normal merge (opened once), with the LoRA output chosen put in `overrides`."""
     from mergecore import open_checkpoint
     from mergecore.lora import output_mode, write_adapter_folder
     from mergecore.merge import check_target
 
     check_target(target_dir, overwrite)  # a non-empty target is refused before the checkpoint is read, as always
     source = open_checkpoint(local_dir, role, backend, hf_model_path)
-    if output_mode(source, requested) != "adapter":
+    mode = output_mode(source, requested)
+    if mode != "adapter":
+        if mode is not None:
+            overrides["output"] = mode
         return source
     if hf_upload_path:
         refuse("--hf_upload_path with a LoRA adapter output is not supported yet: push the adapter folder yourself")
@@ -191,19 +194,19 @@ def merge(
     lora_alpha: Optional[float] = LORA_ALPHA,
     lora_r: Optional[int] = LORA_R,
     target_modules: Optional[str] = TARGET_MODULES,
-    lora: Optional[str] = typer.Option(None, "--lora", help="LoRA checkpoints: fuse (the full model, W + (alpha/r)·B·A; default) or adapter (a PEFT folder; the only output of save_lora_only)."),
+    lora: Optional[str] = typer.Option(None, "--lora", help="LoRA checkpoints: both (default: the fused model, W + (alpha/r)·B·A, with the PEFT adapter in lora_adapter/), fuse, or adapter (the PEFT folder alone; the only output of save_lora_only)."),
 ):
     """Merge a checkpoint into a verified Hugging Face folder (and optionally push it to the Hub).
 
-    A LoRA checkpoint (verl FSDP with peft) is merged as its fused model, or with --lora adapter written
-    as a PEFT adapter folder (adapter_config.json + adapter_model.safetensors).
+    A LoRA checkpoint (verl FSDP with peft) is merged as its fused model with the PEFT adapter in
+    lora_adapter/ (--lora both), or only one of them (--lora fuse, --lora adapter).
     """
     if not hf_upload_path and (private is not None or revision):
         refuse(f"--{'revision' if revision else 'private' if private else 'public'} only applies with --hf_upload_path ORG/NAME")
     if trust_remote_code:
         refuse("--trust-remote-code: merge never loads model code (it reads tensors only); it applies to the logits "
                "check of `ckptflow test` and `ckptflow verify --logits`: drop it here")
-    overrides = lora_overrides(lora_alpha, lora_r, target_modules)
+    overrides = lora_overrides(lora_alpha, lora_r, target_modules) or {}
     source = None
     if custom_mapping is None:  # opened here once: a LoRA adapter output is written without the merge below
         source = write_lora_adapter(local_dir, target_dir, backend, role, hf_model_path, overwrite, lora, overrides,
@@ -214,7 +217,7 @@ def merge(
         refuse("--lora applies to verl FSDP LoRA checkpoints, not with --custom-mapping: drop one")
     manifest = run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size,
                          tie_word_embedding, is_value_model, overwrite, not skip_verify, check_replicas, workers,
-                         custom_mapping, on_nonfinite, overrides, source)
+                         custom_mapping, on_nonfinite, overrides or None, source)
     from mergecore.nonfinite import nonfinite_found
 
     warn_nonfinite(nonfinite_found(manifest.get("groups_written", [])))

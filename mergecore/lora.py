@@ -21,6 +21,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from functools import cached_property
+from pathlib import Path
 
 import numpy as np
 
@@ -197,6 +198,9 @@ class LoraFusedSource(CheckpointSource):
     def __init__(self, inner: CheckpointSource, overrides: dict | None = None):
         self.inner = inner
         self.overrides = dict(overrides or {})
+        self.output = self.overrides.pop("output", None) or "both"   # "both": the adapter folder too
+        if self.output not in ("fuse", "both"):
+            raise CheckpointError(f"--lora {self.output}: a fused merge writes fuse or both")
         self.format_name = inner.format_name
         self.backend = inner.backend
         self.location = inner.location
@@ -246,7 +250,13 @@ class LoraFusedSource(CheckpointSource):
         return self.inner.input_files(None if names is None else [self._names.get(n, n) for n in names])
 
     def describe(self) -> dict:
-        return {**self.inner.describe(), "lora": {**self.hyperparameters.to_dict(), "output": "fused"}}
+        return {**self.inner.describe(), "lora": {**self.hyperparameters.to_dict(), "output": self.output}}
+
+    @property
+    def identity(self) -> dict:
+        """What the output depends on beyond the input files: for cache keys and reuse."""
+        hyper = self.hyperparameters
+        return {"r": hyper.r, "alpha": hyper.alpha, "use_rslora": hyper.use_rslora, "output": self.output}
 
     def read(self, name: str, dtype: str | None = None):
         from .arrays import cast
@@ -317,64 +327,84 @@ def adapter_config(hyper: LoraHyperparameters, base_model: str | None) -> dict:
             "base_model_name_or_path": base_model}
 
 
-def write_adapter_folder(source: CheckpointSource, target, overwrite: bool = False, overrides: dict | None = None,
-                         base_model: str | None = None) -> dict:
-    """Write the adapter of a LoRA checkpoint (full or save_lora_only) as a PEFT folder at `target`, check every
-    saved piece against it bit for bit, and publish it atomically. Returns a small report.
-
-    >>> write_adapter_folder(open_checkpoint("ckpts/run1"), "out/adapter")  # doctest: +SKIP
-    {'adapter': 'out/adapter', 'tensors': 8, 'pieces': 16, 'r': 8, 'alpha': 16.0}
-    """
+def write_adapter_files(inner: CheckpointSource, hyper: LoraHyperparameters, folder, base_model: str | None = None) -> dict:
+    """adapter_config.json + adapter_model.safetensors (PEFT's saved names) in `folder`, every saved piece then
+    found bit for bit in the written file, and the files fsynced. Returns {"tensors": n, "pieces": m}."""
     import json
-    import shutil
     from pathlib import Path
 
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
     from .arrays import bitwise_equal, cast, to_numpy
+    from .publish import sync_folder
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    pairs = adapter_pairs(inner.tensors())
+    if len(hyper.adapters) != 1:
+        raise CheckpointError(f"{inner.location}: adapters {list(hyper.adapters)}; writing more than one adapter is not supported")
+    saved = {peft_saved_name(n, p.adapter): n for p in pairs.values() for n in (p.a, p.b)}
+    save_file({out: np.ascontiguousarray(inner.read(n)) for out, n in saved.items()}, str(folder / ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(hyper, base_model), indent=2) + "\n")
+    pieces = 0
+    with safe_open(str(folder / ADAPTER_WEIGHTS), "np") as written:
+        for out, n in saved.items():
+            value = written.get_tensor(out)
+            for piece in inner.pieces(n):
+                if not bitwise_equal(value[piece.index], cast(to_numpy(piece.tensor), str(value.dtype))):
+                    raise VerificationError(f"{piece.source}: adapter tensor {n} differs from {out} as written; "
+                                            "do not use it (please report this)")
+                pieces += 1
+    sync_folder(folder)
+    return {"tensors": len(saved), "pieces": pieces}
+
+
+def write_adapter_folder(source: CheckpointSource, target, overwrite: bool = False, overrides: dict | None = None,
+                         base_model: str | None = None) -> dict:
+    """Write the adapter of a LoRA checkpoint (full or save_lora_only) as a PEFT folder at `target`, checked
+    piece by piece and published atomically. Returns a small report.
+
+    >>> write_adapter_folder(open_checkpoint("ckpts/run1"), "out/adapter")  # doctest: +SKIP
+    {'adapter': 'out/adapter', 'tensors': 8, 'pieces': 16, 'r': 8, 'alpha': 16.0}
+    """
+    import shutil
+
     from .merge import check_target, staging_folder
     from .publish import publish
 
     inner = source.inner if isinstance(source, LoraFusedSource) else source
-    names = list(inner.tensors())
-    hyper = read_hyperparameters(inner, names, overrides)
+    hyper = read_hyperparameters(inner, inner.tensors(), overrides)
     hyper.scale  # noqa: B018  (refuses without alpha, before anything is written)
     inner.validate()
-    pairs = adapter_pairs(names)
-    if len(hyper.adapters) != 1:
-        raise CheckpointError(f"{inner.location}: adapters {list(hyper.adapters)}; writing more than one adapter folder is not supported")
     target_path = check_target(target, overwrite)
     staging = staging_folder(target_path)
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
     try:
-        saved = {peft_saved_name(n, p.adapter): n for p in pairs.values() for n in (p.a, p.b)}
-        save_file({out: np.ascontiguousarray(inner.read(n)) for out, n in saved.items()}, str(staging / ADAPTER_WEIGHTS),
-                  metadata={"format": "pt"})
-        config = adapter_config(hyper, base_model)
-        (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        pieces = 0
-        with safe_open(str(staging / ADAPTER_WEIGHTS), "np") as written:
-            for out, n in saved.items():
-                value = written.get_tensor(out)
-                for piece in inner.pieces(n):
-                    if not bitwise_equal(value[piece.index], cast(to_numpy(piece.tensor), str(value.dtype))):
-                        raise VerificationError(f"{piece.source}: adapter tensor {n} differs from {out} as written; do not use it (please report this)")
-                    pieces += 1
+        written = write_adapter_files(inner, hyper, staging, base_model)
         publish(staging, target_path, overwrite)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return {"adapter": str(target_path), "tensors": len(saved), "pieces": pieces, "r": hyper.r, "alpha": hyper.alpha}
+    return {"adapter": str(target_path), **written, "r": hyper.r, "alpha": hyper.alpha}
+
+
+def write_adapter_beside(source: CheckpointSource, folder) -> list[str]:
+    """For a fused LoRA merge whose output is `both`: the PEFT adapter in `folder/lora_adapter/`; returns the
+    files written, relative to `folder` (none for any other source)."""
+    if not isinstance(source, LoraFusedSource) or source.output != "both":
+        return []
+    write_adapter_files(source.inner, source.hyperparameters, Path(folder) / ADAPTER_FOLDER)
+    return [f"{ADAPTER_FOLDER}/{ADAPTER_CONFIG}", f"{ADAPTER_FOLDER}/{ADAPTER_WEIGHTS}"]
 
 
 LORA_OUTPUTS = ("fuse", "adapter", "both")
 
 
 def output_mode(source: CheckpointSource, requested: str | None) -> str | None:
-    """What a merge of `source` writes: None (not LoRA), "fuse" (default for a full save) or "adapter"
-    (the only choice, and the default, for save_lora_only). Contradictions are refused in one line."""
+    """What a merge of `source` writes: None (not LoRA); for a full save "both" (default: the fused model with
+    the adapter in lora_adapter/), "fuse" or "adapter"; for save_lora_only "adapter" only. Contradictions are refused in one line."""
     names = list(source.tensors()) if source.format_name == "verl-fsdp" else []
     lora = bool(names) and is_lora_checkpoint(names)
     if requested is not None and requested not in LORA_OUTPUTS:
@@ -383,10 +413,9 @@ def output_mode(source: CheckpointSource, requested: str | None) -> str | None:
         if requested is not None:
             raise CheckpointError(f"{source.location}: --lora {requested} given but the checkpoint has no LoRA adapter tensors; drop the flag")
         return None
-    if requested == "both":
-        raise CheckpointError("--lora both is not supported yet: merge twice, with --lora fuse and --lora adapter, into two targets")
     if is_lora_only(names):
-        if requested == "fuse":
-            raise CheckpointError(f"{source.location}: holds only adapter tensors (save_lora_only): there is no base model to fuse into; use --lora adapter")
+        if requested in ("fuse", "both"):
+            raise CheckpointError(f"{source.location}: holds only adapter tensors (save_lora_only): there is no base model "
+                                  f"to fuse into; drop --lora {requested} (the adapter folder is written)")
         return "adapter"
-    return requested or "fuse"
+    return requested or "both"

@@ -18,7 +18,7 @@ from .dtypes import resolve_dtype
 from .errors import CheckpointError
 from .formats import CheckpointSource, open_checkpoint
 from .formats.base import read_hf_config
-from .lora import lora_view
+from .lora import lora_view, write_adapter_beside
 from .layout import EMBEDDING, OUTPUT, check_against_config, tied_embeddings
 from .nonfinite import check_nonfinite_policy, nonfinite_error
 from .plan import MergePlan, make_plan, parse_size
@@ -226,6 +226,7 @@ def finalize(
     hashes = hashes or BackgroundHashes(staging)  # may already be through the groups merged so far
     hashes.start(plan.files)  # finishes while the round-trip check runs
     descriptive = write_descriptive_files(prepared.source, prepared.config, plan, staging)
+    descriptive += write_adapter_beside(prepared.source, staging)  # a LoRA merge's lora_adapter/, checked as written
     results = [verify_round_trip(prepared.source, staging, plan.aliases, workers)] if verify else []
     results += checks(staging) if checks else []
     clock.lap("verify")

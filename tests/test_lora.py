@@ -161,7 +161,37 @@ def test_fused_merge_round_trip_covers_base_and_adapter_pieces(cli, fused):
     assert result.exit_code == 0, result.output
     # 27 HF tensors x 2 ranks, plus A and B (2 ranks each) for 4 adapted weights
     assert "pieces=70" in result.stdout.replace(" ", "")
-    assert manifest["source"]["lora"]["alpha"] == LORA_ALPHA and manifest["source"]["lora"]["output"] == "fused"
+    assert manifest["source"]["lora"]["alpha"] == LORA_ALPHA and manifest["source"]["lora"]["output"] == "both"
+    assert {"lora_adapter/adapter_config.json", "lora_adapter/adapter_model.safetensors"} <= set(manifest["files"])
+
+
+def test_default_output_holds_the_adapter_beside_the_fused_model(fused, lora_full):
+    ref = load_file(lora_full.reference_dir / "lora_adapter" / "adapter_model.safetensors")
+    ours = load_file(fused / "lora_adapter" / "adapter_model.safetensors")
+    assert sorted(ours) == sorted(ref) and all(torch.equal(ours[n], ref[n]) for n in ref)
+    own = torch.load(lora_full.reference_dir / LOGITS_FILE, weights_only=True)
+    torch.testing.assert_close(_peft_logits(lora_full.reference_dir / "base", fused / "lora_adapter", own["input_ids"]),
+                               own["logits"], atol=1e-5, rtol=1e-5)
+
+
+def test_lora_fuse_writes_no_adapter_and_a_new_alpha_is_not_a_reused_merge(cli, lora_full, tmp_path):
+    target = tmp_path / "model"
+    assert cli("merge", "--local_dir", lora_full.run_root, "--target_dir", target, "--lora", "fuse",
+               "--dtype", "fp32").exit_code == 0
+    assert not (target / "lora_adapter").exists()
+    q = "model.layers.0.self_attn.q_proj.weight"
+    from mergecore.tensorio import HfWeights
+
+    with HfWeights(target) as weights:
+        alpha16 = weights.get(q).copy()
+    result = cli("merge", "--local_dir", lora_full.run_root, "--target_dir", target, "--lora", "fuse",
+                 "--dtype", "fp32", "--lora-alpha", "32", "--overwrite")
+    assert result.exit_code == 0, result.output
+    with HfWeights(target) as weights:
+        alpha32 = weights.get(q).copy()
+    base = load_file(lora_full.reference_dir / "base" / "model.safetensors")[q].numpy()
+    # twice the scale, twice the delta (fp32 rounding aside)
+    assert abs((alpha32 - base) - 2 * (alpha16 - base)).max() < 1e-5 and abs(alpha16 - base).max() > 1e-3
 
 
 # ---- adapter output
@@ -204,7 +234,7 @@ def test_full_save_with_lora_adapter_writes_the_peft_folder(cli, lora_full, tmp_
 
 @pytest.mark.parametrize("args, says", [
     (["--lora", "fuse"], "no base model to fuse into"),
-    (["--lora", "both"], "--lora both is not supported yet"),
+    (["--lora", "both"], "no base model to fuse into"),
     (["--lora", "nonsense"], "choose one of"),
 ])
 def test_impossible_lora_outputs_are_refused(cli, lora_only, tmp_path, args, says):
