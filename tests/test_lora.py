@@ -163,6 +163,8 @@ def test_fused_merge_round_trip_covers_base_and_adapter_pieces(cli, fused):
     assert "pieces=70" in result.stdout.replace(" ", "")
     assert manifest["source"]["lora"]["alpha"] == LORA_ALPHA and manifest["source"]["lora"]["output"] == "both"
     assert {"lora_adapter/adapter_config.json", "lora_adapter/adapter_model.safetensors"} <= set(manifest["files"])
+    card = (fused / "README.md").read_text()
+    assert "r=8, alpha=16.0 into q_proj, v_proj" in card and "`lora_adapter/`" in card
 
 
 def test_default_output_holds_the_adapter_beside_the_fused_model(fused, lora_full):
