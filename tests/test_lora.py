@@ -247,3 +247,20 @@ def test_impossible_lora_outputs_are_refused(cli, lora_only, tmp_path, args, say
 def test_lora_flag_on_a_plain_checkpoint_is_refused(cli, demo, tmp_path):
     result = cli("merge", "--local_dir", demo("fsdp2-w1").run_root, "--target_dir", tmp_path / "out", "--lora", "fuse")
     assert result.exit_code == 2 and "no LoRA adapter tensors" in result.stderr
+
+
+# ---- the pipeline
+
+
+def test_promote_publishes_the_fused_model_with_its_adapter(prefect_server, lora_full, tmp_path):
+    from flows.promote import promote_checkpoint
+    from mergecore.tensorio import HfWeights
+
+    target = tmp_path / "model"
+    promote_checkpoint(checkpoint=str(lora_full.run_root), target=str(target), dtype="fp32")
+    ref = load_file(lora_full.reference_dir / "model.safetensors")
+    with HfWeights(target) as ours:
+        assert sorted(ours.names()) == sorted(ref)
+        q = "model.layers.1.self_attn.v_proj.weight"
+        torch.testing.assert_close(torch.from_numpy(ours.get(q).copy()), ref[q], atol=1e-6, rtol=1e-6)
+    assert (target / "lora_adapter" / "adapter_model.safetensors").exists()
