@@ -272,7 +272,7 @@ class LoraFusedSource(CheckpointSource):
     def check_round_trip(self, name: str, merged) -> int:
         """Plain tensors: every piece re-found bit for bit. Fused ones: the base, A and B pieces (each read
         once, from its own rank file) must rebuild the output bit for bit."""
-        from .arrays import bitwise_equal, dtype_of, to_numpy
+        from .arrays import bitwise_equal, cast, dtype_of, to_numpy
 
         pair = self._pairs.get(name)
         if pair is None:
@@ -281,16 +281,18 @@ class LoraFusedSource(CheckpointSource):
         count = 0
         parts = {}
         for key, source_name in (("w", self._names[name]), ("a", pair.a), ("b", pair.b)):
-            info = self.inner.tensors()[source_name]
-            whole = np.empty(info.shape, np.float32)
-            for piece in self.inner.pieces(source_name):
+            whole = np.empty(self.inner.tensors()[source_name].shape, np.float32)
+            pieces = list(self.inner.pieces(source_name))
+            for piece in pieces:
                 if piece.primary:
                     whole[piece.index] = to_numpy(piece.tensor)
-                count += 1
+            for piece in pieces:  # HSDP replicas must hold the same values as the piece they copy
+                if not piece.primary and not bitwise_equal(cast(piece.tensor, "float32"), whole[piece.index]):
+                    raise VerificationError(f"{piece.source}: tensor {source_name} differs from its replica; "
+                                            "the replicas diverged: pick the replica to trust and re-save")
+            count += len(pieces)
             parts[key] = whole
         rebuilt = parts["w"] + fused_delta(parts["a"], parts["b"], self.hyperparameters.scale, pair.embedding)
-        from .arrays import cast
-
         if not bitwise_equal(cast(rebuilt, dtype_of(merged)), merged):
             raise VerificationError(
                 f"{self.location}: fused tensor {name} differs from W + (alpha/r)·B·A rebuilt from the rank files; "
