@@ -103,6 +103,17 @@ class DemoSpec:
     # A parameter that diverged: after the training step, rank 0's shard of it gets a NaN, a +Inf and a
     # -Inf (FSDP2 and single modes), so the checkpoint and the reference both hold them.
     nonfinite_param: str | None = None
+    # LoRA as verl trains it: peft wraps the model before FSDP, only the adapters train. `lora_only`
+    # saves just the adapter tensors (verl's checkpoint.save_lora_only).
+    lora: bool = False
+    lora_only: bool = False
+
+
+# Hyperparameters of the LoRA fixture; alpha/r = 2 so a wrong alpha changes the model visibly.
+LORA_R = 8
+LORA_ALPHA = 16
+LORA_TARGETS = ("q_proj", "v_proj")
+LOGITS_FILE = "logits.pt"  # in reference/: {"input_ids", "logits"} of the trained model's own forward (LoRA runs)
 
 
 @dataclass(frozen=True)
@@ -134,6 +145,10 @@ def _validate(spec: DemoSpec) -> None:
         raise ValueError("shard_placement_fn is only meaningful for modes 'fsdp2' and 'hsdp'")
     if spec.nonfinite_param is not None and spec.mode not in ("fsdp2", "single"):
         raise ValueError("nonfinite_param is only supported for modes 'fsdp2' and 'single'")
+    if spec.lora_only and not spec.lora:
+        raise ValueError("lora_only needs lora=True")
+    if spec.lora and (spec.arch == "critic" or spec.mode not in ("fsdp2", "single")):
+        raise ValueError("lora is supported for causal LMs in modes 'fsdp2' and 'single'")
     if spec.step < 0:
         raise ValueError(f"step must be >= 0, got {spec.step}")
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -345,6 +360,20 @@ def _decoder_layer_class(model):
     return type(model.model.layers[0])
 
 
+def _lora_config():
+    from peft import LoraConfig
+
+    # init_lora_weights=False: B starts random (not zero), so the adapter changes the model for sure.
+    return LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
+                      task_type="CAUSAL_LM", init_lora_weights=False)
+
+
+def _with_lora(model):
+    from peft import get_peft_model
+
+    return get_peft_model(model, _lora_config())
+
+
 def _wrap_fsdp2(model, spec: DemoSpec, world_size: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -358,10 +387,12 @@ def _wrap_fsdp2(model, spec: DemoSpec, world_size: int):
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": True}
     if spec.shard_placement_fn:
         kwargs["shard_placement_fn"] = _placement_fn(fsdp_size)
-    # Like verl: every decoder layer (and an untied input embedding) is its own unit, then the root.
-    units = list(model.model.layers)
-    if not model.config.tie_word_embeddings:
-        units.insert(0, model.model.embed_tokens)
+    # Like verl: every decoder layer (and an untied input embedding) is its own unit, then the root
+    # (a PeftModel root when LoRA wraps the model).
+    hf_model = model.get_base_model() if spec.lora else model
+    units = list(hf_model.model.layers)
+    if not hf_model.config.tie_word_embeddings:
+        units.insert(0, hf_model.model.embed_tokens)
     for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
@@ -432,6 +463,8 @@ def _train_and_save(rank: int, world_size: int, spec: DemoSpec, role_dir: Path, 
     except ImportError:  # pragma: no cover
         pass
     model = cls(config).to(torch.float32)
+    if spec.lora:
+        model = _with_lora(model)  # before FSDP, as verl does; freezes the base weights
     model.train()
 
     if spec.mode in ("fsdp2", "hsdp"):
@@ -463,6 +496,10 @@ def _train_and_save(rank: int, world_size: int, spec: DemoSpec, role_dir: Path, 
     optimizer.zero_grad(set_to_none=True)
     if spec.nonfinite_param is not None and rank == 0:
         _diverge(model, spec.nonfinite_param)
+    if spec.lora:
+        logits = _own_logits(model, spec)  # every rank takes part in FSDP's forward
+        if rank == 0:
+            torch.save(logits, reference_dir / LOGITS_FILE)
 
     # ---- what verl's FSDPCheckpointManager.save_checkpoint writes, per rank
     suffix = f"world_size_{world_size}_rank_{rank}.pt"
@@ -481,6 +518,8 @@ def _train_and_save(rank: int, world_size: int, spec: DemoSpec, role_dir: Path, 
     else:
         model_sd = model.state_dict()
         optim_sd = optimizer.state_dict()
+    if spec.lora_only:
+        model_sd = {k: v for k, v in model_sd.items() if ".lora_" in k}
     extra = {"lr_scheduler": scheduler.state_dict(), "rng": _rng_state()}
     torch.save(model_sd, role_dir / f"model_{suffix}")
     torch.save(optim_sd, role_dir / f"optim_{suffix}")
@@ -500,11 +539,39 @@ def _train_and_save(rank: int, world_size: int, spec: DemoSpec, role_dir: Path, 
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
     if rank == 0:
         fresh = cls(config).to(torch.float32)  # tiny: a real init is cheaper than meta + buffer fix-ups
-        fresh.load_state_dict(full, strict=True)
-        fresh.save_pretrained(reference_dir)
+        if spec.lora:
+            _save_lora_references(_with_lora(fresh), full, reference_dir, role_dir)
+        else:
+            fresh.load_state_dict(full, strict=True)
+            fresh.save_pretrained(reference_dir)
         (role_dir / "fsdp_config.json").write_text(
             json.dumps({"FSDP_version": _fsdp_version(spec), "world_size": world_size}, indent=4) + "\n"
         )
+
+
+def _own_logits(model, spec: DemoSpec) -> dict:
+    """The trained model's own forward on fixed ids: what a fused model and base + adapter must give."""
+    import torch
+
+    ids = torch.randint(0, spec.vocab_size, (1, _SEQ_LEN), generator=torch.Generator().manual_seed(4242))
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    model.train()
+    return {"input_ids": ids, "logits": logits.clone()}
+
+
+def _save_lora_references(peft_model, full: dict, reference_dir: Path, role_dir: Path) -> None:
+    """reference/ = merge_and_unload() (the fused model), reference/lora_adapter/ = the PEFT model's
+    save_pretrained, reference/base/ = the base model without the adapter; and verl's lora_train_meta.json."""
+    import copy
+
+    peft_model.load_state_dict(full, strict=True)
+    peft_model.save_pretrained(reference_dir / "lora_adapter")
+    copy.deepcopy(peft_model).unload().save_pretrained(reference_dir / "base")
+    peft_model.merge_and_unload().save_pretrained(reference_dir)
+    meta = {"r": LORA_R, "lora_alpha": LORA_ALPHA, "task_type": "CAUSAL_LM"}
+    (role_dir / "lora_train_meta.json").write_text(json.dumps(meta) + "\n")
 
 
 def _worker(rank: int, world_size: int, port: int, spec_dict: dict, role_dir: str, reference_dir: str) -> None:

@@ -35,6 +35,9 @@ TRUST_REMOTE_CODE = typer.Option(False, "--trust-remote-code", "--trust_remote_c
 ATOL = typer.Option(None, "--atol", help="Absolute tolerance: tensors (default 0, exact) and logits (default 1e-5).")
 RTOL = typer.Option(None, "--rtol", help="Relative tolerance: tensors and logits (default 0).")
 CUSTOM_MAPPING = typer.Option(None, "--custom-mapping", "--custom_mapping", help="JSON/YAML file of extra Megatron -> HF name patterns.")
+LORA_ALPHA = typer.Option(None, "--lora-alpha", "--lora_alpha", help="LoRA alpha (default: lora_train_meta.json or adapter_config.json; never guessed).")
+LORA_R = typer.Option(None, "--lora-r", "--lora_r", help="LoRA rank (default: the checkpoint's metadata, else the tensors).")
+TARGET_MODULES = typer.Option(None, "--target-modules", "--target_modules", help="LoRA target modules, comma separated (default: the adapted modules found).")
 NONFINITE_HELP = "NaN/Inf in the converted weights: fail (exit 2, nothing published) or warn (publish, list them in the manifest)."
 CPU_INIT = typer.Option(False, "--use_cpu_initialization", "--use-cpu-initialization", hidden=True, help="Accepted for verl compatibility; ckptflow always merges on CPU.")
 
@@ -91,6 +94,35 @@ def check_value_model(is_value_model: bool, config: dict) -> None:
         )
 
 
+def lora_overrides(alpha: float | None, r: int | None, target_modules: str | None) -> dict | None:
+    """Explicit LoRA hyperparameters (they win over the checkpoint's metadata); None when none was given."""
+    given = {"alpha": alpha, "r": r, "target_modules": target_modules}
+    return {k: v for k, v in given.items() if v is not None} or None
+
+
+def write_lora_adapter(local_dir, target_dir, backend, role, hf_model_path, overwrite, requested, overrides,
+                       hf_upload_path):
+    """Write the PEFT adapter folder when the LoRA output is `adapter` and return None; else the opened
+    source, for the normal merge (opened once), with the LoRA output chosen put in `overrides`."""
+    from mergecore import open_checkpoint
+    from mergecore.lora import output_mode, write_adapter_folder
+    from mergecore.merge import check_target
+
+    check_target(target_dir, overwrite)  # a non-empty target is refused before the checkpoint is read, as always
+    source = open_checkpoint(local_dir, role, backend, hf_model_path)
+    mode = output_mode(source, requested)
+    if mode != "adapter":
+        if mode is not None:
+            overrides["output"] = mode
+        return source
+    if hf_upload_path:
+        refuse("--hf_upload_path with a LoRA adapter output is not supported yet: push the adapter folder yourself")
+    report = write_adapter_folder(source, target_dir, overwrite, overrides)
+    out.print(f"LoRA adapter {source.location} -> {report['adapter']} (r {report['r']}, alpha {report['alpha']}; "
+              f"{report['tensors']} tensors, {report['pieces']} pieces checked)", highlight=False, soft_wrap=True)
+    return None
+
+
 def _progress() -> Progress:
     return Progress(
         TextColumn("[bold]{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
@@ -99,14 +131,15 @@ def _progress() -> Progress:
 
 
 def run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size, tie, is_value_model,
-              overwrite, verify, check_replicas, workers, custom_mapping=None, on_nonfinite="warn") -> dict:
+              overwrite, verify, check_replicas, workers, custom_mapping=None, on_nonfinite="warn", lora=None,
+              source=None) -> dict:
     """Prepare, merge with a progress bar, verify and publish; returns the manifest."""
     from mergecore import CheckpointError, merge_checkpoint, prepare
     from mergecore.merge import check_target
 
     check_target(target_dir, overwrite)
     prepared = prepare(local_dir, role, backend, hf_model_path, dtype, max_shard_size, True if tie else None,
-                       check_replicas, custom_mapping)
+                       check_replicas, custom_mapping, source=source, lora=lora)
     check_value_model(is_value_model, prepared.config)
     with _progress() as progress:
         bar = progress.add_task("merging", total=len(prepared.plan.groups))
@@ -158,16 +191,33 @@ def merge(
     hf_upload_path: Optional[str] = typer.Option(None, "--hf_upload_path", "--hf-upload-path", help="Also push to this Hub repo (org/name)."),
     private: Optional[bool] = typer.Option(None, "--private/--public", help="With --hf_upload_path: visibility of a newly created repo (default private)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="With --hf_upload_path: branch to push to (created if missing)."),
+    lora_alpha: Optional[float] = LORA_ALPHA,
+    lora_r: Optional[int] = LORA_R,
+    target_modules: Optional[str] = TARGET_MODULES,
+    lora: Optional[str] = typer.Option(None, "--lora", help="LoRA checkpoints: both (default: the fused model, W + (alpha/r)·B·A, with the PEFT adapter in lora_adapter/), fuse, or adapter (the PEFT folder alone; the only output of save_lora_only)."),
 ):
-    """Merge a checkpoint into a verified Hugging Face folder (and optionally push it to the Hub)."""
+    """Merge a checkpoint into a verified Hugging Face folder (and optionally push it to the Hub).
+
+    A LoRA checkpoint (verl FSDP with peft) is merged as its fused model with the PEFT adapter in
+    lora_adapter/ (--lora both), or only one of them (--lora fuse, --lora adapter).
+    """
     if not hf_upload_path and (private is not None or revision):
         refuse(f"--{'revision' if revision else 'private' if private else 'public'} only applies with --hf_upload_path ORG/NAME")
     if trust_remote_code:
         refuse("--trust-remote-code: merge never loads model code (it reads tensors only); it applies to the logits "
                "check of `ckptflow test` and `ckptflow verify --logits`: drop it here")
+    overrides = lora_overrides(lora_alpha, lora_r, target_modules) or {}
+    source = None
+    if custom_mapping is None:  # opened here once: a LoRA adapter output is written without the merge below
+        source = write_lora_adapter(local_dir, target_dir, backend, role, hf_model_path, overwrite, lora, overrides,
+                                    hf_upload_path)
+        if source is None:
+            return
+    elif lora is not None:
+        refuse("--lora applies to verl FSDP LoRA checkpoints, not with --custom-mapping: drop one")
     manifest = run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size,
                          tie_word_embedding, is_value_model, overwrite, not skip_verify, check_replicas, workers,
-                         custom_mapping, on_nonfinite)
+                         custom_mapping, on_nonfinite, overrides or None, source)
     from mergecore.nonfinite import nonfinite_found
 
     warn_nonfinite(nonfinite_found(manifest.get("groups_written", [])))
@@ -242,6 +292,9 @@ def verify(
                                  hf_dir=hf_model_path or used.get("hf_dir"),
                                  custom_mapping=custom_mapping or used.get("custom_mapping")
                                  or manifest["source"].get("custom_mapping"))
+        from mergecore.lora import lora_view
+
+        source = lora_view(source, used.get("lora"))  # a fused LoRA merge is checked against base and adapter pieces
         results.append(verify_round_trip(source, folder, manifest.get("aliases", {})))
     if reference:
         results += reference_checks(folder, reference, trust_remote_code, logits, atol, rtol)
@@ -264,11 +317,15 @@ def inspect(
     backend: str = BACKEND,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     custom_mapping: Optional[str] = CUSTOM_MAPPING,
+    lora_alpha: Optional[float] = LORA_ALPHA,
+    lora_r: Optional[int] = LORA_R,
+    target_modules: Optional[str] = TARGET_MODULES,
 ):
-    """Describe a checkpoint: format, world size, mesh, placements, tensors and bytes per group."""
+    """Describe a checkpoint: format, world size, mesh, placements, tensors and bytes per group (and its LoRA)."""
     from mergecore.inspect import describe_checkpoint
 
-    report = describe_checkpoint(source, role=role, backend=backend, custom_mapping=custom_mapping)
+    report = describe_checkpoint(source, role=role, backend=backend, custom_mapping=custom_mapping,
+                                 lora=lora_overrides(lora_alpha, lora_r, target_modules))
     if as_json:
         print(json.dumps(report, indent=2))
         return
@@ -279,6 +336,14 @@ def inspect(
         table.add_row(group["group"], str(group["tensors"]), f"{group['bytes']:,}", ", ".join(group["dtypes"]),
                       "; ".join(group["layouts"]))
     out.print(table)
+    if "lora" in report:
+        found = report["lora"]
+        came = found["source"]
+        out.print(f"LoRA ({found['save']} save): r {found['r']} ({came['r']}), alpha "
+                  f"{found['alpha'] if found['alpha'] is not None else 'unknown: pass --lora-alpha'}"
+                  f"{' (' + came['alpha'] + ')' if 'alpha' in came else ''}, target modules "
+                  f"{', '.join(found['target_modules'])} ({came['target_modules']}), adapters {', '.join(found['adapters'])}",
+                  highlight=False, soft_wrap=True)
 
 
 @app.command()

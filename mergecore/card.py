@@ -28,7 +28,7 @@ def model_card(manifest: dict, config: dict, checks: list[dict]) -> str:
               f"| format | {source['format']} |",
               f"| world size | {source.get('world_size')} |",
               f"| mesh | {source.get('mesh_shape')} |",
-              f"| dtype | {manifest['dtype']} |", "",
+              f"| dtype | {manifest['dtype']} |", *_lora_rows(source.get("lora")), "",
               "## Equivalence checks", "", "| check | result | details |", "|---|---|---|"]
     for check in checks:
         if check["check"].startswith("manifest"):  # re-checking local files proves nothing new about the model
@@ -36,3 +36,16 @@ def model_card(manifest: dict, config: dict, checks: list[dict]) -> str:
         details = ", ".join(f"{k}={v}" for k, v in check.items() if k not in ("check", "ok", "rows"))
         lines.append(f"| {check['check']} | {'passed' if check['ok'] else 'FAILED'} | {details} |")
     return "\n".join(lines) + "\n"
+
+
+def _lora_rows(lora: dict | None) -> list[str]:
+    """What a LoRA merge fused, and with which scale: an adapter with the wrong alpha is another model."""
+    if not lora:
+        return []
+    where = ", ".join(f"{k} from {v}" for k, v in lora.get("source", {}).items())
+    rows = [f"| LoRA fused | W + (alpha/r)·B·A with r={lora['r']}, alpha={lora['alpha']}"
+            f"{' (rsLoRA: alpha/sqrt(r))' if lora.get('use_rslora') else ''} into {', '.join(lora['target_modules'])} "
+            f"(adapter {', '.join(lora['adapters'])}; {where}) |"]
+    if lora.get("output") == "both":
+        rows.append("| LoRA adapter | `lora_adapter/` (PEFT: adapter_config.json + adapter_model.safetensors) |")
+    return rows

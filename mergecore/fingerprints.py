@@ -26,7 +26,7 @@ def digest(value) -> str:
 # editing it keeps finished groups; a test requires every module to be in exactly one of the two lists.
 OUTPUT_CODE = (
     "formats/", "arrays.py", "dtypes.py", "layout.py", "megatron_maps.py", "transforms.py", "plan.py",
-    "writer.py", "merge.py", "output.py", "storage.py", "hub_layout.py",
+    "writer.py", "merge.py", "output.py", "storage.py", "hub_layout.py", "lora.py",
 )
 NOT_OUTPUT_CODE = (
     "__init__.py", "card.py", "errors.py", "fingerprints.py", "hub.py", "inspect.py", "nonfinite.py", "publish.py",
@@ -60,7 +60,9 @@ def _code_version(root: Path) -> str:
 
 
 def input_fingerprints(source: CheckpointSource, names=None) -> dict[str, dict]:
-    return {str(location): location.fingerprint() for location in source.input_files(names)}
+    found = {str(location): location.fingerprint() for location in source.input_files(names)}
+    lora = getattr(source, "identity", None)  # a fused LoRA merge also depends on alpha, r and its outputs
+    return {**found, "lora": lora} if lora else found
 
 
 def group_key(source: CheckpointSource, plan: MergePlan, group: str, staging: str | Path) -> str:
@@ -84,4 +86,5 @@ def weights_id(source: CheckpointSource, plan: MergePlan) -> str:
 def metadata_id(source: CheckpointSource, config: dict) -> str:
     """Identity of everything else in the folder: config.json and the files copied from huggingface/."""
     files = {name: source.hf_dir.join(name).fingerprint() for name in source.hf_dir.listdir()}
-    return digest({"config": config, "files": files, "code": code_version()})
+    lora = getattr(source, "identity", None)
+    return digest({"config": config, "files": files, "code": code_version(), **({"lora": lora} if lora else {})})

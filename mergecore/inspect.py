@@ -5,10 +5,15 @@ from __future__ import annotations
 from .arrays import element_size
 from .formats import open_checkpoint
 from .layout import group_of
+from .lora import hf_name, is_lora_checkpoint, is_lora_only, read_hyperparameters
 
 
-def describe_checkpoint(path: str, role: str = "actor", backend: str = "auto", custom_mapping: str | None = None) -> dict:
+def describe_checkpoint(path: str, role: str = "actor", backend: str = "auto", custom_mapping: str | None = None,
+                        lora: dict | None = None) -> dict:
     """Format facts plus tensors, bytes, dtypes and layouts per layer group (metadata only).
+
+    A LoRA checkpoint also gets `lora`: rank, alpha, target modules, adapters, where each came from
+    (`lora` overrides as for the merge: r, alpha, target_modules); alpha is None when nothing says it.
 
     >>> describe_checkpoint("ckpts/run1")["checkpoint"]["world_size"]  # doctest: +SKIP
     4
@@ -17,7 +22,7 @@ def describe_checkpoint(path: str, role: str = "actor", backend: str = "auto", c
     groups: dict[str, dict] = {}
     order: dict[str, tuple] = {}
     for name, info in source.tensors().items():
-        key, group = group_of(name)
+        key, group = group_of(hf_name(name))  # PEFT names group like the HF names they adapt
         order[group] = key
         entry = groups.setdefault(group, {"group": group, "tensors": 0, "bytes": 0, "dtypes": set(), "layouts": set()})
         entry["tensors"] += 1
@@ -29,4 +34,9 @@ def describe_checkpoint(path: str, role: str = "actor", backend: str = "auto", c
     facts = source.describe()
     facts["tensors"] = len(source.tensors())
     facts["bytes"] = sum(g["bytes"] for g in rows)
-    return {"checkpoint": facts, "groups": rows}
+    report = {"checkpoint": facts, "groups": rows}
+    names = list(source.tensors())
+    if source.format_name == "verl-fsdp" and is_lora_checkpoint(names):
+        found = read_hyperparameters(source, names, lora).to_dict()
+        report["lora"] = {"save": "lora_only" if is_lora_only(names) else "full", **found}
+    return report

@@ -18,6 +18,7 @@ from .dtypes import resolve_dtype
 from .errors import CheckpointError
 from .formats import CheckpointSource, open_checkpoint
 from .formats.base import read_hf_config
+from .lora import lora_view, write_adapter_beside
 from .layout import EMBEDDING, OUTPUT, check_against_config, tied_embeddings
 from .nonfinite import check_nonfinite_policy, nonfinite_error
 from .plan import MergePlan, make_plan, parse_size
@@ -93,6 +94,7 @@ def prepare(
     check_replicas: bool = False,
     custom_mapping: str | None = None,
     source: CheckpointSource | None = None,
+    lora: dict | None = None,
 ) -> Prepared:
     """Discover, validate against config.json, and plan. Raises CheckpointError on bad input.
 
@@ -101,6 +103,7 @@ def prepare(
     ['model-00001-of-00001.safetensors']
     """
     source = source or open_checkpoint(checkpoint, role, backend, hf_dir, custom_mapping)  # or one already opened
+    source = lora_view(source, lora)  # a LoRA checkpoint merges as its fused model, under HF names
     config = read_hf_config(source)
     source.validate(check_replicas=check_replicas)
     shapes = {name: info.shape for name, info in source.tensors().items()}
@@ -111,6 +114,8 @@ def prepare(
     options = {"backend": source.backend, "hf_dir": str(source.hf_dir) if hf_dir else None,
                "custom_mapping": custom_mapping, "dtype": dtype, "max_shard_size": max_shard_size,
                "tie_word_embedding": tie_word_embedding, "check_replicas": check_replicas}
+    if lora:
+        options["lora"] = lora
     return Prepared(source, config, plan, options)
 
 
@@ -221,6 +226,7 @@ def finalize(
     hashes = hashes or BackgroundHashes(staging)  # may already be through the groups merged so far
     hashes.start(plan.files)  # finishes while the round-trip check runs
     descriptive = write_descriptive_files(prepared.source, prepared.config, plan, staging)
+    descriptive += write_adapter_beside(prepared.source, staging)  # a LoRA merge's lora_adapter/, checked as written
     results = [verify_round_trip(prepared.source, staging, plan.aliases, workers)] if verify else []
     results += checks(staging) if checks else []
     clock.lap("verify")

@@ -201,7 +201,7 @@ def write_manifest(source: CheckpointSource, config: dict, plan: MergePlan, fold
     }
     (folder / CARD_FILE).write_text(model_card(manifest, config, manifest.get("verification", [])))
     files = sorted({*plan.files, *descriptive, CARD_FILE})
-    present = sorted(p.name for p in folder.iterdir())
+    present = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())  # lora_adapter/ too
     if present != files:
         raise VerificationError(f"{folder}: holds {sorted(set(present) ^ set(files))} beside or instead of the planned "
                                 "files; nothing was published: merge again")

@@ -169,6 +169,12 @@ def compare_logits(
     return result
 
 
+def _inside_folder(name: str) -> bool:
+    """A manifest file name: a plain name, or one folder deep (a LoRA merge's `lora_adapter/...`); never `..`."""
+    parts = name.split("/")
+    return len(parts) <= 2 and all(part not in ("", ".", "..") for part in parts)
+
+
 def load_manifest(folder: Path) -> dict:
     """A merged folder's manifest, checked for the fields `verify` reads."""
     path = Path(folder) / MANIFEST_FILE
@@ -176,7 +182,7 @@ def load_manifest(folder: Path) -> dict:
     manifest = read_json(path, fix=fix)
     files, source = manifest.get("files"), manifest.get("source")
     if not (isinstance(files, dict) and all(isinstance(e, dict) and "sha256" in e and "size" in e for e in files.values())
-            and all(isinstance(name, str) and "/" not in name and name not in ("", ".", "..") for name in files)
+            and all(isinstance(name, str) and _inside_folder(name) for name in files)
             and isinstance(source, dict) and isinstance(source.get("location"), str)):
         raise CheckpointError(f"{path}: lacks its files or source entries; {fix}")
     return manifest

@@ -33,7 +33,10 @@ class CheckpointRef:
 
 @lru_cache(maxsize=4)
 def _opened(ref: CheckpointRef, fingerprints: str) -> CheckpointSource:
-    return open_checkpoint(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.custom_mapping)
+    from mergecore.lora import lora_view
+
+    # a LoRA checkpoint's groups read its fused view, under the names prepare() planned
+    return lora_view(open_checkpoint(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.custom_mapping))
 
 
 @lru_cache(maxsize=4)

@@ -1,0 +1,423 @@
+"""LoRA checkpoints (peft wrapped before FSDP, as verl trains them): detection, hyperparameters, fusing.
+
+A full LoRA save holds PEFT names::
+
+    base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight
+    base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight   [r, in]
+    base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight   [out, r]
+
+(`save_lora_only` keeps just the lora_A/lora_B tensors). `LoraFusedSource` shows such a checkpoint
+under the plain Hugging Face names, each adapted weight read as W + (alpha/r)·B·A, computed in fp32 and
+cast once, one tensor at a time.
+
+>>> hf_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight")
+'model.layers.0.self_attn.q_proj.weight'
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from .errors import CheckpointError, VerificationError
+from .formats.base import CheckpointSource, Piece, TensorInfo
+
+PEFT_PREFIX = "base_model.model."
+META_FILE = "lora_train_meta.json"          # verl writes it beside the rank files
+ADAPTER_CONFIG = "adapter_config.json"      # peft's own, when a save carries one
+_ADAPTER_TENSOR = re.compile(r"^(?P<module>.+)\.lora_(?P<kind>A|B|embedding_A|embedding_B)\.(?P<adapter>[^.]+)(?:\.weight)?$")
+
+
+def is_lora_name(name: str) -> bool:
+    return _ADAPTER_TENSOR.match(name) is not None
+
+
+def is_lora_checkpoint(names: Iterable[str]) -> bool:
+    """PEFT names: the `base_model.model.` prefix with adapter tensors (or only adapter tensors)."""
+    names = list(names)
+    return any(n.startswith(PEFT_PREFIX) for n in names) and any(is_lora_name(n) for n in names)
+
+
+def is_lora_only(names: Iterable[str]) -> bool:
+    names = list(names)
+    return bool(names) and all(is_lora_name(n) for n in names)
+
+
+def hf_name(peft_name: str) -> str:
+    """The Hugging Face name of a base tensor: no PEFT prefix, no `.base_layer`."""
+    name = peft_name[len(PEFT_PREFIX):] if peft_name.startswith(PEFT_PREFIX) else peft_name
+    return name.replace(".base_layer.", ".")
+
+
+@dataclass(frozen=True)
+class AdapterPair:
+    """The two factors of one adapted module: delta = B @ A (transposed for embeddings)."""
+
+    module: str      # HF module name, e.g. model.layers.0.self_attn.q_proj
+    adapter: str
+    a: str           # checkpoint names
+    b: str
+    embedding: bool
+
+
+def adapter_pairs(names: Iterable[str]) -> dict[str, AdapterPair]:
+    """HF weight name -> its adapter factors. Only one adapter per module is supported."""
+    found: dict[tuple[str, str, bool], dict[str, str]] = {}
+    for name in names:
+        match = _ADAPTER_TENSOR.match(name)
+        if match:
+            kind = match["kind"]
+            key = (match["module"], match["adapter"], kind.startswith("embedding"))
+            found.setdefault(key, {})[kind[-1]] = name
+    pairs: dict[str, AdapterPair] = {}
+    for (module, adapter, embedding), factors in found.items():
+        if set(factors) != {"A", "B"}:
+            missing = "lora_B" if "A" in factors else "lora_A"
+            raise CheckpointError(f"tensor {next(iter(factors.values()))} has no {missing} partner; the save is incomplete: re-copy the checkpoint")
+        weight = hf_name(module) + ".weight"
+        if weight in pairs:
+            raise CheckpointError(
+                f"module {hf_name(module)} has adapters {pairs[weight].adapter!r} and {adapter!r}; "
+                "fusing more than one adapter per module is not supported"
+            )
+        pairs[weight] = AdapterPair(hf_name(module), adapter, factors["A"], factors["B"], embedding)
+    return pairs
+
+
+@dataclass(frozen=True)
+class LoraHyperparameters:
+    r: int
+    alpha: float | None
+    target_modules: tuple[str, ...]
+    adapters: tuple[str, ...]
+    use_rslora: bool
+    task_type: str | None
+    source: dict[str, str]        # field -> where it came from (file name, "tensors" or the flag)
+
+    @property
+    def scale(self) -> float:
+        """alpha / r (alpha / sqrt(r) with rsLoRA), as peft scales the adapter's output."""
+        if self.alpha is None:
+            raise CheckpointError(
+                "LoRA checkpoint: no lora_alpha in lora_train_meta.json or adapter_config.json; pass --lora-alpha "
+                "(the value training used: a wrong alpha gives a different model)"
+            )
+        return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "target_modules": list(self.target_modules), "adapters": list(self.adapters)}
+
+
+def _metadata(source: CheckpointSource) -> tuple[dict, str | None]:
+    """(fields, file shown) from lora_train_meta.json or an adapter_config.json beside the rank files or in huggingface/."""
+    from .tensorio import read_json
+
+    for folder in (source.location, source.hf_dir):
+        if folder is None:
+            continue
+        for file in (META_FILE, ADAPTER_CONFIG):
+            where = folder.join(file)
+            if where.exists():
+                return read_json(where, fix="restore it from the training run, or pass --lora-alpha/--lora-r"), str(where)
+    return {}, None
+
+
+def read_hyperparameters(source: CheckpointSource, names: Iterable[str], overrides: dict | None = None) -> LoraHyperparameters:
+    """r, alpha, target modules and adapters: flags first, then the checkpoint's metadata, then the tensors
+    (r, modules). Alpha is never guessed: without it `scale` refuses. An r that contradicts the tensors is refused."""
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    names = list(names)
+    tensors = source.tensors()
+    pairs = adapter_pairs(names)
+    if not pairs:
+        raise CheckpointError(f"{source.location}: no lora_A/lora_B tensors; this is not a LoRA checkpoint")
+    ranks = {tensors[p.a].shape[1 if p.embedding else 0] for p in pairs.values()}
+    meta, meta_file = _metadata(source)
+    origin: dict[str, str] = {}
+
+    def pick(field: str, flag: str, meta_keys: tuple[str, ...]):
+        if field in overrides:
+            origin[field] = flag
+            return overrides[field]
+        for key in meta_keys:
+            if meta.get(key) is not None:
+                origin[field] = meta_file
+                return meta[key]
+        return None
+
+    r = pick("r", "--lora-r", ("r", "lora_rank"))
+    if r is None:
+        if len(ranks) != 1:
+            raise CheckpointError(f"{source.location}: adapters of ranks {sorted(ranks)}; pass --lora-r (per-module ranks are not supported)")
+        r, origin["r"] = ranks.pop(), "tensors"
+    elif {int(r)} != ranks:
+        raise CheckpointError(
+            f"{origin['r']}: says r={r} but the lora_A tensors have rank {sorted(ranks)}; fix it or pass --lora-r {min(ranks)}"
+        )
+    alpha = pick("alpha", "--lora-alpha", ("lora_alpha", "alpha"))
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0):
+        raise CheckpointError(f"{origin['alpha']}: lora_alpha {alpha!r} is not a positive number; fix it or pass --lora-alpha")
+    found_modules = tuple(sorted({p.module.rsplit(".", 1)[-1] for p in pairs.values()}))
+    targets = pick("target_modules", "--target-modules", ("target_modules",))
+    if isinstance(targets, str):
+        targets = tuple(t for t in re.split(r"[,\s]+", targets) if t)
+    if targets is None or targets == "all-linear":
+        targets, origin["target_modules"] = found_modules, "tensors"
+    stray = sorted(set(found_modules) - set(targets))
+    if stray:
+        raise CheckpointError(
+            f"{origin['target_modules']}: target modules {list(targets)} leave out {stray}, which the checkpoint adapts; "
+            f"pass --target-modules {','.join(found_modules)}"
+        )
+    return LoraHyperparameters(
+        r=int(r), alpha=None if alpha is None else float(alpha), target_modules=tuple(targets),
+        adapters=tuple(sorted({p.adapter for p in pairs.values()})),
+        use_rslora=bool(meta.get("use_rslora", False)), task_type=meta.get("task_type"), source=origin,
+    )
+
+
+def fused_delta(a: np.ndarray, b: np.ndarray, scale: float, embedding: bool) -> np.ndarray:
+    """scale · B @ A in fp32 (transposed for embeddings, whose A is [r, vocab] and B [dim, r], as in peft)."""
+    delta = b.astype(np.float32, copy=False) @ a.astype(np.float32, copy=False)
+    delta *= np.float32(scale)
+    return delta.T if embedding else delta
+
+
+class LoraFusedSource(CheckpointSource):
+    """A full LoRA checkpoint seen as the fused model under Hugging Face names.
+
+    Every other part of the merge (plan, groups, writer, verification) works on it unchanged.
+    """
+
+    def __init__(self, inner: CheckpointSource, overrides: dict | None = None):
+        self.inner = inner
+        self.overrides = dict(overrides or {})
+        self.output = self.overrides.pop("output", None) or "both"   # "both": the adapter folder too
+        if self.output not in ("fuse", "both"):
+            raise CheckpointError(f"--lora {self.output}: a fused merge writes fuse or both")
+        self.format_name = inner.format_name
+        self.backend = inner.backend
+        self.location = inner.location
+        self.hf_dir = inner.hf_dir
+        self.step = getattr(inner, "step", None)
+
+    @cached_property
+    def hyperparameters(self) -> LoraHyperparameters:
+        return read_hyperparameters(self.inner, self.inner.tensors(), self.overrides)
+
+    @cached_property
+    def _pairs(self) -> dict[str, AdapterPair]:
+        return adapter_pairs(self.inner.tensors())
+
+    @cached_property
+    def _names(self) -> dict[str, str]:
+        """HF name -> checkpoint name of every base tensor."""
+        return {hf_name(n): n for n in self.inner.tensors() if not is_lora_name(n)}
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        infos = self.inner.tensors()
+        return {hf: TensorInfo(hf, infos[n].shape, infos[n].dtype, infos[n].layout) for hf, n in self._names.items()}
+
+    def validate(self, check_replicas: bool = False) -> None:
+        self.inner.validate(check_replicas)
+        if is_lora_only(self.inner.tensors()):
+            raise CheckpointError(
+                f"{self.location}: holds only LoRA adapter tensors (save_lora_only); there is no base model to fuse into"
+            )
+        orphans = sorted(set(self._pairs) - set(self._names))
+        if orphans:
+            raise CheckpointError(f"{self.location}: adapter for {orphans[0]} but no base weight of that name; the save is incomplete")
+        infos = self.inner.tensors()
+        for weight, pair in self._pairs.items():
+            out, inp = infos[self._names[weight]].shape[:2]
+            a, b = infos[pair.a].shape, infos[pair.b].shape
+            want = ((self.hyperparameters.r, out), (inp, self.hyperparameters.r)) if pair.embedding else \
+                ((self.hyperparameters.r, inp), (out, self.hyperparameters.r))
+            if (a, b) != want:
+                raise CheckpointError(f"{self.location}: adapter of {weight} has A {a}, B {b}, expected {want}; the save is inconsistent")
+        self.hyperparameters.scale  # noqa: B018  (refuses now, before anything is written, when alpha is unknown)
+
+    def pieces(self, name: str) -> Iterator[Piece]:
+        return self.inner.pieces(self._names[name])
+
+    def input_files(self, names=None) -> list:
+        return self.inner.input_files(None if names is None else [self._names.get(n, n) for n in names])
+
+    def describe(self) -> dict:
+        return {**self.inner.describe(), "lora": {**self.hyperparameters.to_dict(), "output": self.output}}
+
+    @property
+    def identity(self) -> dict:
+        """What the output depends on beyond the input files: for cache keys and reuse."""
+        hyper = self.hyperparameters
+        return {"r": hyper.r, "alpha": hyper.alpha, "use_rslora": hyper.use_rslora, "output": self.output}
+
+    def read(self, name: str, dtype: str | None = None):
+        from .arrays import cast
+
+        pair = self._pairs.get(name)
+        if pair is None:
+            return self.inner.read(self._names[name], dtype)
+        fused = self.inner.read(self._names[name], "float32")
+        fused += fused_delta(self.inner.read(pair.a, "float32"), self.inner.read(pair.b, "float32"),
+                             self.hyperparameters.scale, pair.embedding)
+        return cast(fused, dtype or self.tensors()[name].dtype)
+
+    def check_round_trip(self, name: str, merged) -> int:
+        """Plain tensors: every piece re-found bit for bit. Fused ones: the base, A and B pieces (each read
+        once, from its own rank file) must rebuild the output bit for bit."""
+        from .arrays import bitwise_equal, cast, dtype_of, to_numpy
+
+        pair = self._pairs.get(name)
+        if pair is None:
+            return self.inner.check_round_trip(self._names[name], merged)
+        merged = to_numpy(merged)
+        count = 0
+        parts = {}
+        for key, source_name in (("w", self._names[name]), ("a", pair.a), ("b", pair.b)):
+            whole = np.empty(self.inner.tensors()[source_name].shape, np.float32)
+            pieces = list(self.inner.pieces(source_name))
+            for piece in pieces:
+                if piece.primary:
+                    whole[piece.index] = to_numpy(piece.tensor)
+            for piece in pieces:  # HSDP replicas must hold the same values as the piece they copy
+                if not piece.primary and not bitwise_equal(cast(piece.tensor, "float32"), whole[piece.index]):
+                    raise VerificationError(f"{piece.source}: tensor {source_name} differs from its replica; "
+                                            "the replicas diverged: pick the replica to trust and re-save")
+            count += len(pieces)
+            parts[key] = whole
+        rebuilt = parts["w"] + fused_delta(parts["a"], parts["b"], self.hyperparameters.scale, pair.embedding)
+        if not bitwise_equal(cast(rebuilt, dtype_of(merged)), merged):
+            raise VerificationError(
+                f"{self.location}: fused tensor {name} differs from W + (alpha/r)·B·A rebuilt from the rank files; "
+                "the merge is wrong: do not publish it (please report this)"
+            )
+        return count
+
+
+def lora_view(source: CheckpointSource, overrides: dict | None = None) -> CheckpointSource:
+    """The source as the merge should see it: fused under HF names for a LoRA checkpoint, else unchanged."""
+    if isinstance(source, LoraFusedSource) or source.format_name != "verl-fsdp":
+        return source
+    if not is_lora_checkpoint(source.tensors()):
+        return source
+    return LoraFusedSource(source, overrides)
+
+
+# ---- the PEFT adapter folder
+
+ADAPTER_FOLDER = "lora_adapter"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def peft_saved_name(name: str, adapter: str) -> str:
+    """PEFT's on-disk name: the in-memory one without the adapter name (`lora_A.default.weight` -> `lora_A.weight`)."""
+    return name.replace(f".{adapter}.weight", ".weight").replace(f".{adapter}", "")
+
+
+def adapter_config(hyper: LoraHyperparameters, base_model: str | None) -> dict:
+    """peft's adapter_config.json for these hyperparameters (fields peft leaves at defaults are omitted)."""
+    return {"peft_type": "LORA", "task_type": hyper.task_type or "CAUSAL_LM", "r": hyper.r,
+            "lora_alpha": hyper.alpha, "target_modules": list(hyper.target_modules), "use_rslora": hyper.use_rslora,
+            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+            "base_model_name_or_path": base_model}
+
+
+def write_adapter_files(inner: CheckpointSource, hyper: LoraHyperparameters, folder, base_model: str | None = None) -> dict:
+    """adapter_config.json + adapter_model.safetensors (PEFT's saved names) in `folder`, every saved piece then
+    found bit for bit in the written file, and the files fsynced. Returns {"tensors": n, "pieces": m}."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from .arrays import bitwise_equal, cast, to_numpy
+    from .publish import sync_folder
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    pairs = adapter_pairs(inner.tensors())
+    if len(hyper.adapters) != 1:
+        raise CheckpointError(f"{inner.location}: adapters {list(hyper.adapters)}; writing more than one adapter is not supported")
+    saved = {peft_saved_name(n, p.adapter): n for p in pairs.values() for n in (p.a, p.b)}
+    save_file({out: np.ascontiguousarray(inner.read(n)) for out, n in saved.items()}, str(folder / ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(hyper, base_model), indent=2) + "\n")
+    pieces = 0
+    with safe_open(str(folder / ADAPTER_WEIGHTS), "np") as written:
+        for out, n in saved.items():
+            value = written.get_tensor(out)
+            for piece in inner.pieces(n):
+                if not bitwise_equal(value[piece.index], cast(to_numpy(piece.tensor), str(value.dtype))):
+                    raise VerificationError(f"{piece.source}: adapter tensor {n} differs from {out} as written; "
+                                            "do not use it (please report this)")
+                pieces += 1
+    sync_folder(folder)
+    return {"tensors": len(saved), "pieces": pieces}
+
+
+def write_adapter_folder(source: CheckpointSource, target, overwrite: bool = False, overrides: dict | None = None,
+                         base_model: str | None = None) -> dict:
+    """Write the adapter of a LoRA checkpoint (full or save_lora_only) as a PEFT folder at `target`, checked
+    piece by piece and published atomically. Returns a small report.
+
+    >>> write_adapter_folder(open_checkpoint("ckpts/run1"), "out/adapter")  # doctest: +SKIP
+    {'adapter': 'out/adapter', 'tensors': 8, 'pieces': 16, 'r': 8, 'alpha': 16.0}
+    """
+    import shutil
+
+    from .merge import check_target, staging_folder
+    from .publish import publish
+
+    inner = source.inner if isinstance(source, LoraFusedSource) else source
+    hyper = read_hyperparameters(inner, inner.tensors(), overrides)
+    hyper.scale  # noqa: B018  (refuses without alpha, before anything is written)
+    inner.validate()
+    target_path = check_target(target, overwrite)
+    staging = staging_folder(target_path)
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        written = write_adapter_files(inner, hyper, staging, base_model)
+        publish(staging, target_path, overwrite)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return {"adapter": str(target_path), **written, "r": hyper.r, "alpha": hyper.alpha}
+
+
+def write_adapter_beside(source: CheckpointSource, folder) -> list[str]:
+    """For a fused LoRA merge whose output is `both`: the PEFT adapter in `folder/lora_adapter/`; returns the
+    files written, relative to `folder` (none for any other source)."""
+    if not isinstance(source, LoraFusedSource) or source.output != "both":
+        return []
+    write_adapter_files(source.inner, source.hyperparameters, Path(folder) / ADAPTER_FOLDER)
+    return [f"{ADAPTER_FOLDER}/{ADAPTER_CONFIG}", f"{ADAPTER_FOLDER}/{ADAPTER_WEIGHTS}"]
+
+
+LORA_OUTPUTS = ("fuse", "adapter", "both")
+
+
+def output_mode(source: CheckpointSource, requested: str | None) -> str | None:
+    """What a merge of `source` writes: None (not LoRA); for a full save "both" (default: the fused model with
+    the adapter in lora_adapter/), "fuse" or "adapter"; for save_lora_only "adapter" only. Contradictions are refused in one line."""
+    names = list(source.tensors()) if source.format_name == "verl-fsdp" else []
+    lora = bool(names) and is_lora_checkpoint(names)
+    if requested is not None and requested not in LORA_OUTPUTS:
+        raise CheckpointError(f"--lora {requested}: choose one of {', '.join(LORA_OUTPUTS)}")
+    if not lora:
+        if requested is not None:
+            raise CheckpointError(f"{source.location}: --lora {requested} given but the checkpoint has no LoRA adapter tensors; drop the flag")
+        return None
+    if is_lora_only(names):
+        if requested in ("fuse", "both"):
+            raise CheckpointError(f"{source.location}: holds only adapter tensors (save_lora_only): there is no base model "
+                                  f"to fuse into; drop --lora {requested} (the adapter folder is written)")
+        return "adapter"
+    return requested or "both"
