@@ -50,9 +50,11 @@ def _fsync(path: Path) -> None:
 
 
 def sync_folder(folder: Path) -> None:
-    """fsync every file in `folder` (not recursive: our folders are flat) and the folder itself."""
+    """fsync every file and folder below `folder` (a LoRA merge's `lora_adapter/` too), then `folder` itself."""
     for entry in folder.iterdir():
-        if entry.is_file():
+        if entry.is_dir() and not entry.is_symlink():
+            sync_folder(entry)
+        elif entry.is_file():
             _fsync(entry)
     _fsync(folder)
 
