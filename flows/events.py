@@ -1,0 +1,78 @@
+"""`checkpoint.uploaded` events: what a training job (or `ckptflow watch`) sends when a checkpoint is complete.
+
+The resource id is the checkpoint URL; the run name and step ride along as resource labels and payload, derived
+from verl's layout (`.../<run>/global_step_<N>/<role>`) when not given.
+
+>>> event = checkpoint_event("s3://ckpts/run1/global_step_1000/actor")
+>>> event["resource"]["ckptflow.run"], event["payload"]["step"]
+('run1', 1000)
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import uuid
+
+from mergecore import CheckpointError
+from mergecore.retries import Retries
+
+EVENT = "checkpoint.uploaded"
+_STEP_FOLDER = re.compile(r"^global_step_(\d+)$")
+
+
+def step_and_run(checkpoint: str) -> tuple[int | None, str | None]:
+    """(step, run name) from a verl checkpoint path: the `global_step_N` folder and the one above it."""
+    parts = [p for p in re.split(r"[/\\]+", checkpoint.split("://", 1)[-1]) if p]
+    for i in range(len(parts) - 1, -1, -1):
+        match = _STEP_FOLDER.match(parts[i])
+        if match:
+            return int(match[1]), (parts[i - 1] if i > 0 else None)
+    return None, (parts[-1] if parts else None)
+
+
+def checkpoint_event(checkpoint: str, step: int | None = None, run: str | None = None, **payload) -> dict:
+    """One `checkpoint.uploaded` event, as `POST /api/events` takes it; None-valued payload fields are left out."""
+    found_step, found_run = step_and_run(checkpoint)
+    step = found_step if step is None else step
+    run = run or found_run
+    resource = {"prefect.resource.id": checkpoint}
+    if run:
+        resource["ckptflow.run"] = run
+    if step is not None:
+        resource["ckptflow.step"] = str(step)
+    body = {"step": step, "run": run, **payload}
+    return {
+        "id": str(uuid.uuid4()),
+        "event": EVENT,
+        "occurred": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "resource": resource,
+        "payload": {k: v for k, v in body.items() if v is not None},
+    }
+
+
+def post_events(api_url: str, events: list[dict], retries: Retries | None = None, timeout_s: float = 10.0) -> None:
+    """POST events to a Prefect API (`PREFECT_API_URL`), retrying connection errors and 5xx/429; anything
+    else, or a server that never answers, is a one-line CheckpointError."""
+    import httpx
+
+    retries = retries or Retries.from_env("CKPTFLOW_EVENTS", 3, 0.5)
+    url = api_url.rstrip("/") + "/events"
+
+    def send():
+        reply = httpx.post(url, json=events, timeout=timeout_s)
+        reply.raise_for_status()
+
+    def wait_after(error: Exception, attempt: int) -> float | None:
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        transient = isinstance(error, httpx.TransportError) or status == 429 or (status or 0) >= 500
+        return retries.delay(attempt) if transient else None
+
+    try:
+        retries.call(send, wait_after)
+    except httpx.HTTPStatusError as error:
+        raise CheckpointError(f"{url}: the Prefect API refused the event (HTTP {error.response.status_code}: "
+                              f"{error.response.text[:200]}); check PREFECT_API_URL") from None
+    except httpx.TransportError as error:
+        raise CheckpointError(f"{url}: cannot reach the Prefect API ({type(error).__name__}: {error}); start the "
+                              "server or fix PREFECT_API_URL") from None
