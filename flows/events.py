@@ -76,3 +76,18 @@ def post_events(api_url: str, events: list[dict], retries: Retries | None = None
     except httpx.TransportError as error:
         raise CheckpointError(f"{url}: cannot reach the Prefect API ({type(error).__name__}: {error}); start the "
                               "server or fix PREFECT_API_URL") from None
+
+
+def promotion_place(target_root: str, hub_org: str | None, run: str, step: int | None) -> dict:
+    """Where a promotion of (run, step) lands: `{root}/{run}/step-{N}` and the Hub repo `{org}/{run}`, branch
+    `step-{N}` (no Hub push without an organisation). Events and schedules use this one rule.
+
+    >>> promotion_place("/models", "acme", "run1", 1000)
+    {'target': '/models/run1/step-1000', 'hub_repo': 'acme/run1', 'revision': 'step-1000'}
+    """
+    if not run or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}", run) or ".." in run:
+        raise CheckpointError(f"run name {run!r} cannot name a folder or a Hub repo; pass --run with letters, digits, '.', '_' or '-'")
+    leaf = f"step-{step}" if step is not None else "latest"
+    return {"target": f"{target_root.rstrip('/')}/{run}/{leaf}",
+            "hub_repo": f"{hub_org}/{run}" if hub_org else None,
+            "revision": leaf if hub_org else None}
