@@ -33,10 +33,10 @@ class CheckpointRef:
 
 @lru_cache(maxsize=4)
 def _opened(ref: CheckpointRef, fingerprints: str) -> CheckpointSource:
-    from mergecore.lora import lora_view
+    from mergecore.merge import merge_view
 
-    # a LoRA checkpoint's groups read its fused view, under the names prepare() planned
-    return lora_view(open_checkpoint(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.custom_mapping))
+    # the groups read the view prepare() planned (a LoRA checkpoint fused, the Hub's layout)
+    return merge_view(open_checkpoint(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.custom_mapping))
 
 
 @lru_cache(maxsize=4)
