@@ -371,8 +371,16 @@ def promote(
     custom_mapping: Optional[str] = CUSTOM_MAPPING,
     trust_remote_code: bool = TRUST_REMOTE_CODE,
     on_nonfinite: str = typer.Option("fail", "--on-nonfinite", "--on_nonfinite", help=NONFINITE_HELP),
+    lora: Optional[str] = typer.Option(None, "--lora", help="LoRA checkpoints: both (default: the fused model, with the PEFT adapter in lora_adapter/ of the same folder and Hub repo) or fuse."),
+    lora_alpha: Optional[float] = LORA_ALPHA,
+    lora_r: Optional[int] = LORA_R,
+    target_modules: Optional[str] = TARGET_MODULES,
+    base_model: Optional[str] = BASE_MODEL,
 ):
-    """Run the Prefect pipeline: merge (cached per group) -> verify -> push to the Hub."""
+    """Run the Prefect pipeline: merge (cached per group) -> verify -> push to the Hub.
+
+    A LoRA checkpoint is published as its fused model; by default with its PEFT adapter in lora_adapter/
+    (pushed inside the same repo)."""
     from flows.run import run_promotion
 
     if not hub_repo and (revision or tag or hub_token_secret):
@@ -384,7 +392,8 @@ def promote(
                            revision=revision, private=private, max_shard_size=max_shard_size, role=role,
                            backend=backend, hf_dir=hf_model_path, tag=tag, hub_token_secret=hub_token_secret,
                            overwrite=overwrite, custom_mapping=custom_mapping, trust_remote_code=trust_remote_code,
-                           on_nonfinite=on_nonfinite)
+                           on_nonfinite=on_nonfinite, lora=lora, lora_alpha=lora_alpha, lora_r=lora_r,
+                           target_modules=target_modules, base_model=base_model)
     warn_nonfinite(result.get("nonfinite", {}))
     print_checks(result["checks"])
     cached = result["cached_groups"]

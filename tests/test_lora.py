@@ -380,3 +380,35 @@ def test_promote_publishes_the_fused_model_with_its_adapter(prefect_server, lora
         q = "model.layers.1.self_attn.v_proj.weight"
         torch.testing.assert_close(torch.from_numpy(ours.get(q).copy()), ref[q], atol=1e-6, rtol=1e-6)
     assert (target / "lora_adapter" / "adapter_model.safetensors").exists()
+
+
+def test_promote_pushes_the_fused_model_and_its_adapter_to_one_repo(prefect_server, hub, lora_full, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from flows.promote import promote_checkpoint
+
+    target = tmp_path / "model"
+    result = promote_checkpoint(checkpoint=str(lora_full.run_root), target=str(target), dtype="fp32",
+                                hub_repo="alice/lora-model", revision="step-1", lora_alpha=16.0)
+    assert result["hub"]["revision"] == "step-1"
+    files = hub.files("alice/lora-model", revision="step-1")
+    fused = load_file(lora_full.reference_dir / "model.safetensors")
+    weights = [f for f in files if f.endswith(".safetensors") and "/" not in f]
+    assert weights and files[weights[0]] == (target / weights[0]).read_bytes()
+    assert {"lora_adapter/adapter_config.json", "lora_adapter/adapter_model.safetensors"} <= set(files)
+    card = files["README.md"].decode()
+    assert "r=8, alpha=16.0 into q_proj, v_proj" in card and "--lora-alpha" in card and "`lora_adapter/`" in card
+
+    own = torch.load(lora_full.reference_dir / LOGITS_FILE, weights_only=True)
+    base = AutoModelForCausalLM.from_pretrained(lora_full.reference_dir / "base", dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, "alice/lora-model", subfolder="lora_adapter", revision="step-1")
+    torch.testing.assert_close(_logits(peft_model, own["input_ids"]), own["logits"], atol=1e-5, rtol=1e-5)
+    pushed = AutoModelForCausalLM.from_pretrained("alice/lora-model", revision="step-1", dtype=torch.float32)
+    torch.testing.assert_close(pushed.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+                               fused["model.layers.0.self_attn.q_proj.weight"], atol=1e-6, rtol=1e-6)
+
+
+def test_promote_refuses_an_adapter_only_output(prefect_server, cli, lora_only, tmp_path):
+    result = cli("promote", lora_only.run_root, "--target", tmp_path / "out")
+    assert result.exit_code == 2 and "--base-model" in result.stderr and not (tmp_path / "out").exists()
