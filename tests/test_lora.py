@@ -7,6 +7,7 @@ Expected values come from the trained PEFT model itself: its own forward (refere
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -383,6 +384,7 @@ def test_promote_publishes_the_fused_model_with_its_adapter(prefect_server, lora
 
 
 def test_promote_pushes_the_fused_model_and_its_adapter_to_one_repo(prefect_server, hub, lora_full, tmp_path):
+    from huggingface_hub import snapshot_download
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -402,9 +404,11 @@ def test_promote_pushes_the_fused_model_and_its_adapter_to_one_repo(prefect_serv
 
     own = torch.load(lora_full.reference_dir / LOGITS_FILE, weights_only=True)
     base = AutoModelForCausalLM.from_pretrained(lora_full.reference_dir / "base", dtype=torch.float32)
-    peft_model = PeftModel.from_pretrained(base, "alice/lora-model", subfolder="lora_adapter", revision="step-1")
+    # peft's own Hub lookup ignores a patched endpoint, so fetch the revision as users of a mirror would
+    local = Path(snapshot_download("alice/lora-model", revision="step-1"))
+    peft_model = PeftModel.from_pretrained(base, local / "lora_adapter")
     torch.testing.assert_close(_logits(peft_model, own["input_ids"]), own["logits"], atol=1e-5, rtol=1e-5)
-    pushed = AutoModelForCausalLM.from_pretrained("alice/lora-model", revision="step-1", dtype=torch.float32)
+    pushed = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32)
     torch.testing.assert_close(pushed.state_dict()["model.layers.0.self_attn.q_proj.weight"],
                                fused["model.layers.0.self_attn.q_proj.weight"], atol=1e-6, rtol=1e-6)
 
