@@ -38,6 +38,8 @@ CUSTOM_MAPPING = typer.Option(None, "--custom-mapping", "--custom_mapping", help
 LORA_ALPHA = typer.Option(None, "--lora-alpha", "--lora_alpha", help="LoRA alpha (default: lora_train_meta.json or adapter_config.json; never guessed).")
 LORA_R = typer.Option(None, "--lora-r", "--lora_r", help="LoRA rank (default: the checkpoint's metadata, else the tensors).")
 TARGET_MODULES = typer.Option(None, "--target-modules", "--target_modules", help="LoRA target modules, comma separated (default: the adapted modules found).")
+BASE_MODEL = typer.Option(None, "--base-model", "--base_model", help="save_lora_only checkpoints: fuse the adapter into this base model (local HF folder or Hub repo id; safetensors only).")
+LORA_OUTPUT = typer.Option(None, "--lora", help="LoRA checkpoints: both (default: the fused model, W + (alpha/r)·B·A, with the PEFT adapter in lora_adapter/), fuse, or adapter (the PEFT folder alone; the only output of save_lora_only without --base-model).")
 NONFINITE_HELP = "NaN/Inf in the converted weights: fail (exit 2, nothing published) or warn (publish, list them in the manifest)."
 CPU_INIT = typer.Option(False, "--use_cpu_initialization", "--use-cpu-initialization", hidden=True, help="Accepted for verl compatibility; ckptflow always merges on CPU.")
 
@@ -94,9 +96,11 @@ def check_value_model(is_value_model: bool, config: dict) -> None:
         )
 
 
-def lora_overrides(alpha: float | None, r: int | None, target_modules: str | None) -> dict | None:
-    """Explicit LoRA hyperparameters (they win over the checkpoint's metadata); None when none was given."""
-    given = {"alpha": alpha, "r": r, "target_modules": target_modules}
+def lora_overrides(alpha: float | None, r: int | None, target_modules: str | None,
+                   base_model: str | None = None) -> dict | None:
+    """Explicit LoRA hyperparameters (they win over the checkpoint's metadata) and the base model of a
+    save_lora_only checkpoint; None when none was given."""
+    given = {"alpha": alpha, "r": r, "target_modules": target_modules, "base_model": base_model}
     return {k: v for k, v in given.items() if v is not None} or None
 
 
@@ -110,14 +114,14 @@ def write_lora_adapter(local_dir, target_dir, backend, role, hf_model_path, over
 
     check_target(target_dir, overwrite)  # a non-empty target is refused before the checkpoint is read, as always
     source = open_checkpoint(local_dir, role, backend, hf_model_path)
-    mode = output_mode(source, requested)
+    mode = output_mode(source, requested, overrides.get("base_model"))
     if mode != "adapter":
         if mode is not None:
             overrides["output"] = mode
         return source
     if hf_upload_path:
         refuse("--hf_upload_path with a LoRA adapter output is not supported yet: push the adapter folder yourself")
-    report = write_adapter_folder(source, target_dir, overwrite, overrides)
+    report = write_adapter_folder(source, target_dir, overwrite, overrides, overrides.get("base_model"))
     out.print(f"LoRA adapter {source.location} -> {report['adapter']} (r {report['r']}, alpha {report['alpha']}; "
               f"{report['tensors']} tensors, {report['pieces']} pieces checked)", highlight=False, soft_wrap=True)
     return None
@@ -194,7 +198,8 @@ def merge(
     lora_alpha: Optional[float] = LORA_ALPHA,
     lora_r: Optional[int] = LORA_R,
     target_modules: Optional[str] = TARGET_MODULES,
-    lora: Optional[str] = typer.Option(None, "--lora", help="LoRA checkpoints: both (default: the fused model, W + (alpha/r)·B·A, with the PEFT adapter in lora_adapter/), fuse, or adapter (the PEFT folder alone; the only output of save_lora_only)."),
+    lora: Optional[str] = LORA_OUTPUT,
+    base_model: Optional[str] = BASE_MODEL,
 ):
     """Merge a checkpoint into a verified Hugging Face folder (and optionally push it to the Hub).
 
@@ -206,15 +211,15 @@ def merge(
     if trust_remote_code:
         refuse("--trust-remote-code: merge never loads model code (it reads tensors only); it applies to the logits "
                "check of `ckptflow test` and `ckptflow verify --logits`: drop it here")
-    overrides = lora_overrides(lora_alpha, lora_r, target_modules) or {}
+    overrides = lora_overrides(lora_alpha, lora_r, target_modules, base_model) or {}
     source = None
     if custom_mapping is None:  # opened here once: a LoRA adapter output is written without the merge below
         source = write_lora_adapter(local_dir, target_dir, backend, role, hf_model_path, overwrite, lora, overrides,
                                     hf_upload_path)
         if source is None:
             return
-    elif lora is not None:
-        refuse("--lora applies to verl FSDP LoRA checkpoints, not with --custom-mapping: drop one")
+    elif lora is not None or base_model:
+        refuse("--lora and --base-model apply to verl FSDP LoRA checkpoints, not with --custom-mapping: drop one")
     manifest = run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size,
                          tie_word_embedding, is_value_model, overwrite, not skip_verify, check_replicas, workers,
                          custom_mapping, on_nonfinite, overrides or None, source)
@@ -292,9 +297,9 @@ def verify(
                                  hf_dir=hf_model_path or used.get("hf_dir"),
                                  custom_mapping=custom_mapping or used.get("custom_mapping")
                                  or manifest["source"].get("custom_mapping"))
-        from mergecore.lora import lora_view
+        from mergecore.merge import merge_view
 
-        source = lora_view(source, used.get("lora"))  # a fused LoRA merge is checked against base and adapter pieces
+        source = merge_view(source, used.get("lora"))  # as merged: fused LoRA (base and adapter pieces), Hub layout
         results.append(verify_round_trip(source, folder, manifest.get("aliases", {})))
     if reference:
         results += reference_checks(folder, reference, trust_remote_code, logits, atol, rtol)
@@ -366,8 +371,16 @@ def promote(
     custom_mapping: Optional[str] = CUSTOM_MAPPING,
     trust_remote_code: bool = TRUST_REMOTE_CODE,
     on_nonfinite: str = typer.Option("fail", "--on-nonfinite", "--on_nonfinite", help=NONFINITE_HELP),
+    lora: Optional[str] = typer.Option(None, "--lora", help="LoRA checkpoints: both (default: the fused model, with the PEFT adapter in lora_adapter/ of the same folder and Hub repo) or fuse."),
+    lora_alpha: Optional[float] = LORA_ALPHA,
+    lora_r: Optional[int] = LORA_R,
+    target_modules: Optional[str] = TARGET_MODULES,
+    base_model: Optional[str] = BASE_MODEL,
 ):
-    """Run the Prefect pipeline: merge (cached per group) -> verify -> push to the Hub."""
+    """Run the Prefect pipeline: merge (cached per group) -> verify -> push to the Hub.
+
+    A LoRA checkpoint is published as its fused model; by default with its PEFT adapter in lora_adapter/
+    (pushed inside the same repo)."""
     from flows.run import run_promotion
 
     if not hub_repo and (revision or tag or hub_token_secret):
@@ -379,7 +392,8 @@ def promote(
                            revision=revision, private=private, max_shard_size=max_shard_size, role=role,
                            backend=backend, hf_dir=hf_model_path, tag=tag, hub_token_secret=hub_token_secret,
                            overwrite=overwrite, custom_mapping=custom_mapping, trust_remote_code=trust_remote_code,
-                           on_nonfinite=on_nonfinite)
+                           on_nonfinite=on_nonfinite, lora=lora, lora_alpha=lora_alpha, lora_r=lora_r,
+                           target_modules=target_modules, base_model=base_model)
     warn_nonfinite(result.get("nonfinite", {}))
     print_checks(result["checks"])
     cached = result["cached_groups"]

@@ -20,7 +20,7 @@ from mergecore.output import BackgroundHashes
 from tasks import (discover_shards, finalize_model, merge_group, plan_groups, prepare_staging, push_to_hub,
                    run_equivalence_tests, validate_metadata)
 from tasks.caching import group_cache_policy, results_folder
-from tasks.sources import CheckpointRef
+from tasks.sources import CheckpointRef, lora_options
 
 from .progress import GroupProgress
 from .reports import equivalence_rows, merge_report
@@ -74,14 +74,22 @@ def promote_checkpoint(
     trust_remote_code: bool = False,
     custom_mapping: str | None = None,
     on_nonfinite: str = "fail",
+    lora: str | None = None,
+    lora_alpha: float | None = None,
+    lora_r: int | None = None,
+    target_modules: str | None = None,
+    base_model: str | None = None,
 ) -> dict:
     """Merge a training checkpoint, prove it equal to what was trained, and publish it to the Hub.
 
     NaN/Inf weights fail the run unless `on_nonfinite="warn"` (then they are listed in the result
-    and the manifest)."""
+    and the manifest). A LoRA checkpoint is published fused (`lora`: both, the default, also writes the
+    PEFT adapter to `lora_adapter/` of the same folder and repo; fuse); a save_lora_only one needs `base_model`."""
     check_nonfinite_policy(on_nonfinite)
+    given = {"alpha": lora_alpha, "r": lora_r, "target_modules": target_modules, "base_model": base_model}
+    lora_settings = lora_options(checkpoint, role, backend, hf_dir, custom_mapping, lora, given)
     ref = CheckpointRef(checkpoint, role, backend, hf_dir, dtype, max_shard_size, custom_mapping=custom_mapping,
-                        on_nonfinite=on_nonfinite)
+                        on_nonfinite=on_nonfinite, lora=lora_settings)
     manifest = merge_checkpoint(ref, target, overwrite, reference, trust_remote_code)
     checks = run_equivalence_tests(target, manifest, reference, trust_remote_code)
     create_table_artifact(equivalence_rows(checks), key="equivalence", description="equivalence tests")

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import CheckpointError
+from .formats.base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from .layout import _PATTERNS
 
 
@@ -166,3 +167,95 @@ def _check_coverage(slices: dict[str, HubSlice], shapes: dict[str, tuple[int, ..
                 f"transformers' save conversion writes {volume[name]} of the {total} elements of {name}; "
                 "ckptflow would lose or duplicate weights: please report this"
             )
+
+
+# ---- the view: a checkpoint under the Hub's names
+
+
+def hub_view(source):
+    """`source` under the names `save_pretrained` writes: unchanged when they already are the Hub's (no import of
+    transformers then), or when no config.json says which model this is.
+
+    Applied last, on the names a merge would otherwise write (a LoRA checkpoint's fused names, say), by
+    `mergecore.merge.merge_view`.
+    """
+    if isinstance(source, HubLayoutSource) or source.format_name != "verl-fsdp":
+        return source
+    infos = source.tensors()
+    if not needs_transformers(infos):
+        return source
+    config_file = source.hf_dir.join("config.json") if source.hf_dir else None
+    if config_file is None or not config_file.exists():
+        return source  # nothing says which model this is: keep the saved names
+    slices = hub_slices(read_hf_config(source), {name: info.shape for name, info in infos.items()})
+    return source if slices is None else HubLayoutSource(source, slices)
+
+
+class HubLayoutSource(CheckpointSource):
+    """A checkpoint in transformers' in-memory layout seen in the Hub's: each output tensor one `HubSlice` of
+    one inner tensor, read from the part of each rank's piece it needs (bounded memory)."""
+
+    def __init__(self, inner, slices: dict[str, HubSlice]):
+        self.inner = inner
+        self.slices = slices
+        self.format_name = inner.format_name
+        self.backend = inner.backend
+        self.location = inner.location
+        self.hf_dir = inner.hf_dir
+        self.step = getattr(inner, "step", None)
+
+    @property
+    def identity(self):
+        return getattr(self.inner, "identity", None)
+
+    def _whole(self, name: str) -> bool:
+        hub = self.slices[name]
+        return hub.is_whole(self.inner.tensors()[hub.source].shape)
+
+    def tensors(self):
+        inner = self.inner.tensors()
+        return {name: TensorInfo(name, s.shape, inner[s.source].dtype, inner[s.source].layout)
+                for name, s in self.slices.items()}
+
+    def pieces(self, name: str):
+        hub = self.slices[name]
+        return (p for piece in self.inner.pieces(hub.source) if (p := _piece_in_slice(piece, hub)))
+
+    def validate(self, check_replicas: bool = False) -> None:
+        self.inner.validate(check_replicas)
+        adapted = getattr(self.inner, "adapted", None)  # a fused LoRA view computes its values: not sliceable
+        for name, hub in self.slices.items():
+            if adapted and adapted(hub.source) and not self._whole(name):
+                raise CheckpointError(
+                    f"{self.location}: the LoRA adapter of {hub.source} adapts a tensor the Hub layout splits "
+                    "(packed experts); fusing it is not supported: pass --lora adapter"
+                )
+
+    def read(self, name: str, dtype: str | None = None):
+        if self._whole(name):
+            return self.inner.read(self.slices[name].source, dtype)  # a rename: the inner view's own values
+        return super().read(name, dtype)
+
+    def check_round_trip(self, name: str, merged) -> int:
+        if self._whole(name):
+            return self.inner.check_round_trip(self.slices[name].source, merged)
+        return super().check_round_trip(name, merged)
+
+    def input_files(self, names=None) -> list:
+        return self.inner.input_files(None if names is None else [self.slices[n].source if n in self.slices else n
+                                                                  for n in names])
+
+    def describe(self) -> dict:
+        return self.inner.describe()
+
+
+def _piece_in_slice(piece, hub: HubSlice):
+    """The part of a saved piece inside an output's slice, in the output's coordinates (a view)."""
+    low = [max(o, a) for o, a in zip(piece.offsets, hub.start)]
+    high = [min(o + s, b) for o, s, b in zip(piece.offsets, piece.sizes, hub.stop)]
+    if any(h <= lo for lo, h in zip(low, high)):
+        return None
+    local = piece.tensor[tuple(slice(lo - o, h - o) for lo, h, o in zip(low, high, piece.offsets))]
+    offsets = tuple(0 if d is None else low[d] - hub.start[d] for d in hub.dims)
+    sizes = tuple(1 if d is None else high[d] - low[d] for d in hub.dims)
+    return Piece(piece.source, offsets, sizes, local.reshape(sizes), piece.primary)

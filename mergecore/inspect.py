@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .arrays import element_size
 from .formats import open_checkpoint
+from .hub_layout import hub_view
 from .layout import group_of
 from .lora import hf_name, is_lora_checkpoint, is_lora_only, read_hyperparameters
 
@@ -19,6 +20,8 @@ def describe_checkpoint(path: str, role: str = "actor", backend: str = "auto", c
     4
     """
     source = open_checkpoint(path, role=role, backend=backend, custom_mapping=custom_mapping)
+    if not (source.format_name == "verl-fsdp" and is_lora_checkpoint(source.tensors())):
+        source = hub_view(source)  # the names a merge writes (a LoRA save is shown under its saved names)
     groups: dict[str, dict] = {}
     order: dict[str, tuple] = {}
     for name, info in source.tensors().items():

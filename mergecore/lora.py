@@ -201,10 +201,14 @@ class LoraFusedSource(CheckpointSource):
         self.output = self.overrides.pop("output", None) or "both"   # "both": the adapter folder too
         if self.output not in ("fuse", "both"):
             raise CheckpointError(f"--lora {self.output}: a fused merge writes fuse or both")
+        self.base_model = self.overrides.pop("base_model", None)
+        # where the base weights come from: the checkpoint itself, or (save_lora_only) the --base-model folder
+        self.weights = BaseModelSource(self.base_model) if self.base_model else inner
         self.format_name = inner.format_name
         self.backend = inner.backend
         self.location = inner.location
-        self.hf_dir = inner.hf_dir
+        has_config = inner.hf_dir is not None and inner.hf_dir.join("config.json").exists()
+        self.hf_dir = inner.hf_dir if has_config or not self.base_model else self.weights.hf_dir
         self.step = getattr(inner, "step", None)
 
     @cached_property
@@ -217,54 +221,71 @@ class LoraFusedSource(CheckpointSource):
 
     @cached_property
     def _names(self) -> dict[str, str]:
-        """HF name -> checkpoint name of every base tensor."""
-        return {hf_name(n): n for n in self.inner.tensors() if not is_lora_name(n)}
+        """HF name -> name in `self.weights` of every base tensor."""
+        return {hf_name(n): n for n in self.weights.tensors() if not is_lora_name(n)}
 
     def tensors(self) -> dict[str, TensorInfo]:
-        infos = self.inner.tensors()
+        infos = self.weights.tensors()
         return {hf: TensorInfo(hf, infos[n].shape, infos[n].dtype, infos[n].layout) for hf, n in self._names.items()}
 
     def validate(self, check_replicas: bool = False) -> None:
         self.inner.validate(check_replicas)
-        if is_lora_only(self.inner.tensors()):
+        if is_lora_only(self.inner.tensors()) and not self.base_model:
             raise CheckpointError(
-                f"{self.location}: holds only LoRA adapter tensors (save_lora_only); there is no base model to fuse into"
+                f"{self.location}: holds only LoRA adapter tensors (save_lora_only); there is no base model to fuse "
+                "into: pass --base-model PATH_OR_REPO"
             )
+        if self.base_model and not is_lora_only(self.inner.tensors()):
+            raise CheckpointError(f"--base-model {self.base_model}: {self.location} holds its own base weights (a full "
+                                  "LoRA save); drop --base-model")
+        whose = f"--base-model {self.base_model}" if self.base_model else str(self.location)
         orphans = sorted(set(self._pairs) - set(self._names))
         if orphans:
-            raise CheckpointError(f"{self.location}: adapter for {orphans[0]} but no base weight of that name; the save is incomplete")
-        infos = self.inner.tensors()
+            fix = "pass the base model the adapter was trained on" if self.base_model else "the save is incomplete"
+            raise CheckpointError(f"{whose}: adapter for {orphans[0]} but no base weight of that name; {fix}")
+        infos, base = self.inner.tensors(), self.weights.tensors()
         for weight, pair in self._pairs.items():
-            out, inp = infos[self._names[weight]].shape[:2]
+            out, inp = base[self._names[weight]].shape[:2]
             a, b = infos[pair.a].shape, infos[pair.b].shape
             want = ((self.hyperparameters.r, out), (inp, self.hyperparameters.r)) if pair.embedding else \
                 ((self.hyperparameters.r, inp), (out, self.hyperparameters.r))
             if (a, b) != want:
+                if self.base_model:
+                    raise CheckpointError(f"--base-model {self.base_model}: {weight} is {base[self._names[weight]].shape} "
+                                          f"but the adapter has A {a}, B {b}; pass the base model the adapter was trained on")
                 raise CheckpointError(f"{self.location}: adapter of {weight} has A {a}, B {b}, expected {want}; the save is inconsistent")
         self.hyperparameters.scale  # noqa: B018  (refuses now, before anything is written, when alpha is unknown)
 
     def pieces(self, name: str) -> Iterator[Piece]:
-        return self.inner.pieces(self._names[name])
+        return self.weights.pieces(self._names[name])
+
+    def adapted(self, name: str) -> bool:
+        """Whether `name` is computed (W + scale·B·A) rather than read as saved."""
+        return name in self._pairs
 
     def input_files(self, names=None) -> list:
+        if self.base_model:
+            return self.inner.input_files() + self.weights.input_files()
         return self.inner.input_files(None if names is None else [self._names.get(n, n) for n in names])
 
     def describe(self) -> dict:
-        return {**self.inner.describe(), "lora": {**self.hyperparameters.to_dict(), "output": self.output}}
+        lora = {**self.hyperparameters.to_dict(), "output": self.output}
+        return {**self.inner.describe(), "lora": {**lora, "base_model": self.base_model} if self.base_model else lora}
 
     @property
     def identity(self) -> dict:
         """What the output depends on beyond the input files: for cache keys and reuse."""
         hyper = self.hyperparameters
-        return {"r": hyper.r, "alpha": hyper.alpha, "use_rslora": hyper.use_rslora, "output": self.output}
+        found = {"r": hyper.r, "alpha": hyper.alpha, "use_rslora": hyper.use_rslora, "output": self.output}
+        return {**found, "base_model": self.base_model} if self.base_model else found
 
     def read(self, name: str, dtype: str | None = None):
         from .arrays import cast
 
         pair = self._pairs.get(name)
         if pair is None:
-            return self.inner.read(self._names[name], dtype)
-        fused = self.inner.read(self._names[name], "float32")
+            return self.weights.read(self._names[name], dtype)
+        fused = self.weights.read(self._names[name], "float32")
         fused += fused_delta(self.inner.read(pair.a, "float32"), self.inner.read(pair.b, "float32"),
                              self.hyperparameters.scale, pair.embedding)
         return cast(fused, dtype or self.tensors()[name].dtype)
@@ -276,13 +297,14 @@ class LoraFusedSource(CheckpointSource):
 
         pair = self._pairs.get(name)
         if pair is None:
-            return self.inner.check_round_trip(self._names[name], merged)
+            return self.weights.check_round_trip(self._names[name], merged)
         merged = to_numpy(merged)
         count = 0
         parts = {}
-        for key, source_name in (("w", self._names[name]), ("a", pair.a), ("b", pair.b)):
-            whole = np.empty(self.inner.tensors()[source_name].shape, np.float32)
-            pieces = list(self.inner.pieces(source_name))
+        for key, holder, source_name in (("w", self.weights, self._names[name]), ("a", self.inner, pair.a),
+                                         ("b", self.inner, pair.b)):
+            whole = np.empty(holder.tensors()[source_name].shape, np.float32)
+            pieces = list(holder.pieces(source_name))
             for piece in pieces:
                 if piece.primary:
                     whole[piece.index] = to_numpy(piece.tensor)
@@ -301,9 +323,16 @@ class LoraFusedSource(CheckpointSource):
         return count
 
 
+def fused_lora(source: CheckpointSource) -> LoraFusedSource | None:
+    """The fused LoRA view inside `source` (itself, or under later views such as the Hub layout), if any."""
+    while source is not None and not isinstance(source, LoraFusedSource):
+        source = getattr(source, "inner", None)
+    return source
+
+
 def lora_view(source: CheckpointSource, overrides: dict | None = None) -> CheckpointSource:
     """The source as the merge should see it: fused under HF names for a LoRA checkpoint, else unchanged."""
-    if isinstance(source, LoraFusedSource) or source.format_name != "verl-fsdp":
+    if fused_lora(source) is not None or source.format_name != "verl-fsdp":
         return source
     if not is_lora_checkpoint(source.tensors()):
         return source
@@ -376,7 +405,8 @@ def write_adapter_folder(source: CheckpointSource, target, overwrite: bool = Fal
     from .merge import check_target, staging_folder
     from .publish import publish
 
-    inner = source.inner if isinstance(source, LoraFusedSource) else source
+    fused = fused_lora(source)
+    inner = fused.inner if fused is not None else source
     hyper = read_hyperparameters(inner, inner.tensors(), overrides)
     hyper.scale  # noqa: B018  (refuses without alpha, before anything is written)
     inner.validate()
@@ -395,29 +425,116 @@ def write_adapter_folder(source: CheckpointSource, target, overwrite: bool = Fal
 def write_adapter_beside(source: CheckpointSource, folder) -> list[str]:
     """For a fused LoRA merge whose output is `both`: the PEFT adapter in `folder/lora_adapter/`; returns the
     files written, relative to `folder` (none for any other source)."""
-    if not isinstance(source, LoraFusedSource) or source.output != "both":
+    source = fused_lora(source)
+    if source is None or source.output != "both":
         return []
-    write_adapter_files(source.inner, source.hyperparameters, Path(folder) / ADAPTER_FOLDER)
+    write_adapter_files(source.inner, source.hyperparameters, Path(folder) / ADAPTER_FOLDER, source.base_model)
     return [f"{ADAPTER_FOLDER}/{ADAPTER_CONFIG}", f"{ADAPTER_FOLDER}/{ADAPTER_WEIGHTS}"]
 
 
 LORA_OUTPUTS = ("fuse", "adapter", "both")
 
 
-def output_mode(source: CheckpointSource, requested: str | None) -> str | None:
+def output_mode(source: CheckpointSource, requested: str | None, base_model: str | None = None) -> str | None:
     """What a merge of `source` writes: None (not LoRA); for a full save "both" (default: the fused model with
-    the adapter in lora_adapter/), "fuse" or "adapter"; for save_lora_only "adapter" only. Contradictions are refused in one line."""
+    the adapter in lora_adapter/), "fuse" or "adapter"; for save_lora_only "adapter" only, unless `base_model`
+    (--base-model) gives the weights to fuse into: then as for a full save. Contradictions are refused in one line."""
     names = list(source.tensors()) if source.format_name == "verl-fsdp" else []
     lora = bool(names) and is_lora_checkpoint(names)
     if requested is not None and requested not in LORA_OUTPUTS:
         raise CheckpointError(f"--lora {requested}: choose one of {', '.join(LORA_OUTPUTS)}")
     if not lora:
-        if requested is not None:
-            raise CheckpointError(f"{source.location}: --lora {requested} given but the checkpoint has no LoRA adapter tensors; drop the flag")
+        if requested is not None or base_model:
+            flag = f"--lora {requested}" if requested is not None else f"--base-model {base_model}"
+            raise CheckpointError(f"{source.location}: {flag} given but the checkpoint has no LoRA adapter tensors; drop the flag")
         return None
-    if is_lora_only(names):
+    if base_model and not is_lora_only(names):
+        raise CheckpointError(f"--base-model {base_model}: {source.location} holds its own base weights (a full LoRA "
+                              "save); drop --base-model")
+    if is_lora_only(names) and not base_model:
         if requested in ("fuse", "both"):
             raise CheckpointError(f"{source.location}: holds only adapter tensors (save_lora_only): there is no base model "
-                                  f"to fuse into; drop --lora {requested} (the adapter folder is written)")
+                                  f"to fuse into; pass --base-model PATH_OR_REPO or drop --lora {requested}")
         return "adapter"
     return requested or "both"
+
+
+# ---- the base model of a save_lora_only checkpoint (--base-model)
+
+BASE_FILES = ("*.safetensors", "*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken")  # never pickles (*.bin, *.pt)
+
+
+def base_model_folder(spec: str) -> Path:
+    """A local Hugging Face folder, or a Hub repo id downloaded (safetensors and metadata only) with
+    huggingface_hub, which honours HF_ENDPOINT, HF_TOKEN and its cache.
+
+    >>> base_model_folder("Qwen/Qwen2.5-0.5B")  # doctest: +SKIP
+    PosixPath('~/.cache/huggingface/hub/models--Qwen--Qwen2.5-0.5B/snapshots/...')
+    """
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        folder = local
+    elif local.exists() or spec.count("/") != 1 or spec.startswith((".", "/", "~")):
+        raise CheckpointError(f"--base-model {spec}: not a folder nor a Hub repo id (org/name); pass the base model's "
+                              "folder or repo id")
+    else:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+        try:
+            folder = Path(snapshot_download(spec, allow_patterns=list(BASE_FILES)))
+        except RepositoryNotFoundError:
+            raise CheckpointError(f"--base-model {spec}: no such Hub repo (or no access: set HF_TOKEN); pass the "
+                                  "base model's folder or repo id") from None
+        except (HfHubHTTPError, OSError) as err:
+            reason = " ".join(str(err).split())[:160]
+            raise CheckpointError(f"--base-model {spec}: download failed ({reason}); check HF_ENDPOINT/HF_TOKEN "
+                                  "or pass a local folder") from None
+    if not any(folder.glob("*.safetensors")):
+        raise CheckpointError(f"--base-model {spec}: no *.safetensors weights (pickled .bin weights are never "
+                              "loaded); convert the base model to safetensors")
+    return folder
+
+
+class BaseModelSource(CheckpointSource):
+    """The weights of a Hugging Face folder (safetensors only) as a checkpoint of one piece per tensor,
+    each a view of the mmapped file (read per tensor, like every merge)."""
+
+    format_name = "hf-folder"
+
+    def __init__(self, spec: str):
+        from .storage import Location
+        from .tensorio import HfWeights
+
+        self.spec = spec
+        self.folder = base_model_folder(spec)
+        self.location = self.hf_dir = Location.of(str(self.folder))
+        self._weights = HfWeights(self.folder).__enter__()  # mmapped for the life of this source
+
+    @cached_property
+    def _infos(self) -> dict[str, TensorInfo]:
+        from .arrays import dtype_of
+
+        infos = {}
+        for name in self._weights.names():
+            value = self._weights.get(name)
+            infos[name] = TensorInfo(name, tuple(value.shape), dtype_of(value), "plain")
+        return infos
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        return self._infos
+
+    def pieces(self, name: str) -> Iterator[Piece]:
+        value = self._weights.get(name)
+        yield Piece(f"{self.folder}", (0,) * value.ndim, tuple(value.shape), value)
+
+    def validate(self, check_replicas: bool = False) -> None:
+        pass  # a safetensors folder is one consistent file set (HfWeights checked its index)
+
+    def input_files(self, names=None) -> list:
+        from .storage import Location
+
+        return [Location.of(str(p)) for p in sorted(self.folder.glob("*.safetensors"))]
+
+    def describe(self) -> dict:
+        return {"format": self.format_name, "location": str(self.folder), "base_model": self.spec}

@@ -83,6 +83,18 @@ def same_values(source: CheckpointSource, a: str, b: str) -> bool:
     return all(bitwise_equal(pieces_a[(p.source, p.offsets)].tensor, p.tensor) for p in pieces_b)
 
 
+def merge_view(source: CheckpointSource, lora: dict | None = None) -> CheckpointSource:
+    """The checkpoint under the names and values a merge writes: a LoRA checkpoint as its fused model (HF names),
+    then, on those names, the Hub's layout where transformers keeps another in memory (packed MoE experts, VLM
+    prefixes). The one place both views are applied, in this order; applying it twice changes nothing.
+
+    >>> merge_view(open_checkpoint("ckpts/run1")).tensors()  # doctest: +SKIP
+    """
+    from .hub_layout import hub_view
+
+    return hub_view(lora_view(source, lora))
+
+
 def prepare(
     checkpoint: str,
     role: str = "actor",
@@ -103,7 +115,7 @@ def prepare(
     ['model-00001-of-00001.safetensors']
     """
     source = source or open_checkpoint(checkpoint, role, backend, hf_dir, custom_mapping)  # or one already opened
-    source = lora_view(source, lora)  # a LoRA checkpoint merges as its fused model, under HF names
+    source = merge_view(source, lora)  # fused LoRA, then the Hub's layout
     config = read_hf_config(source)
     source.validate(check_replicas=check_replicas)
     shapes = {name: info.shape for name, info in source.tensors().items()}

@@ -29,20 +29,29 @@ class CheckpointRef:
     # "fail" or "warn" on NaN/Inf weights. Not in merge_group's cache key (it changes no byte written):
     # receipts carry the findings, and finalize_model applies "fail" to cached receipts too.
     on_nonfinite: str = "warn"
+    # A LoRA checkpoint: (key, value) pairs of `lora_options` (output, alpha, r, target_modules, base_model);
+    # a tuple so the ref stays hashable.
+    lora: tuple = ()
+
+    @property
+    def lora_overrides(self) -> dict | None:
+        return dict(self.lora) or None
 
 
 @lru_cache(maxsize=4)
 def _opened(ref: CheckpointRef, fingerprints: str) -> CheckpointSource:
-    from mergecore.lora import lora_view
+    from mergecore.merge import merge_view
 
-    # a LoRA checkpoint's groups read its fused view, under the names prepare() planned
-    return lora_view(open_checkpoint(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.custom_mapping))
+    # the groups read the view prepare() planned (a LoRA checkpoint fused, the Hub's layout)
+    return merge_view(open_checkpoint(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.custom_mapping),
+                      ref.lora_overrides)
 
 
 @lru_cache(maxsize=4)
 def _prepared(ref: CheckpointRef, fingerprints: str) -> Prepared:
     return prepare(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.dtype, ref.max_shard_size,
-                   ref.tie_word_embedding, custom_mapping=ref.custom_mapping, source=_opened(ref, fingerprints))
+                   ref.tie_word_embedding, custom_mapping=ref.custom_mapping, source=_opened(ref, fingerprints),
+                   lora=ref.lora_overrides)
 
 
 def _fingerprints(ref: CheckpointRef) -> str:
@@ -79,3 +88,28 @@ def source_for(ref: CheckpointRef) -> CheckpointSource:
 def prepared_for(ref: CheckpointRef) -> Prepared:
     """The validated, planned checkpoint for `ref`, sharing `source_for`'s opened files."""
     return _prepared(ref, _fingerprints(ref))
+
+
+def lora_options(checkpoint: str, role: str, backend: str, hf_dir: str | None, custom_mapping: str | None,
+                 requested: str | None, overrides: dict | None) -> tuple:
+    """`CheckpointRef.lora` for a promotion: the LoRA output chosen (fused model, with lora_adapter/ for `both`)
+    and the explicit hyperparameters; () for a checkpoint without LoRA. The pipeline publishes a fused model:
+    an adapter-only output (`--lora adapter`, or save_lora_only without --base-model) is refused in one line."""
+    from mergecore import CheckpointError
+    from mergecore.lora import output_mode
+
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if custom_mapping is not None:
+        if requested is not None or overrides:
+            raise CheckpointError("--lora and the LoRA flags apply to verl FSDP LoRA checkpoints, not with --custom-mapping: drop one")
+        return ()
+    source = open_checkpoint(checkpoint, role, backend, hf_dir, custom_mapping)
+    mode = output_mode(source, requested, overrides.get("base_model"))
+    if mode is None:
+        if overrides:
+            raise CheckpointError(f"{source.location}: LoRA flags given but the checkpoint has no LoRA adapter tensors; drop them")
+        return ()
+    if mode == "adapter":
+        raise CheckpointError(f"{source.location}: promote publishes a fused model; for the adapter alone use "
+                              "`ckptflow merge --lora adapter` (or pass --base-model to fuse a save_lora_only checkpoint)")
+    return tuple(sorted({**overrides, "output": mode}.items()))

@@ -7,6 +7,7 @@ Expected values come from the trained PEFT model itself: its own forward (refere
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,6 +197,58 @@ def test_lora_fuse_writes_no_adapter_and_a_new_alpha_is_not_a_reused_merge(cli, 
     assert abs((alpha32 - base) - 2 * (alpha16 - base)).max() < 1e-5 and abs(alpha16 - base).max() > 1e-3
 
 
+# ---- the order of views: LoRA first (HF names), then the Hub's layout on those names
+
+
+def test_dense_lora_merge_never_imports_transformers(lora_full, tmp_path):
+    """The Hub layout is asked of transformers only for names that are not the Hub's: a dense LoRA merge's
+    fused names are, so no meta model is built (it costs seconds)."""
+    import subprocess
+    import sys
+
+    program = ("import sys\nfrom flows.cli import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as done:\n"
+               "    assert not done.code, done.code\nprint('imported:', sorted(m for m in ('transformers', 'torch') if m in sys.modules))")
+    target = tmp_path / "model"
+    run = subprocess.run([sys.executable, "-c", program, "merge", "--local_dir", str(lora_full.run_root),
+                          "--target_dir", str(target)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "imported: []" in run.stdout and (target / "lora_adapter" / "adapter_model.safetensors").exists()
+
+
+@pytest.fixture(scope="session")
+def lora_moe(tmp_path_factory):
+    return write_demo_checkpoint(tmp_path_factory.mktemp("lora-moe"), DemoSpec(arch="qwen3_moe", lora=True))
+
+
+def test_moe_lora_merges_to_merge_and_unloads_hub_layout(cli, lora_moe, tmp_path):
+    """Qwen3-MoE with LoRA on attention: the packed experts come out per expert, as merge_and_unload().save_pretrained
+    writes them, and the fused model gives the PEFT model's own logits."""
+    from transformers import AutoModelForCausalLM
+
+    from mergecore.tensorio import HfWeights
+
+    names = _rank0_names(lora_moe)
+    assert "base_model.model.model.layers.0.mlp.experts.gate_up_proj" in names  # packed in the rank files
+    target = tmp_path / "model"
+    result = cli("merge", "--local_dir", lora_moe.run_root, "--target_dir", target, "--dtype", "fp32")
+    assert result.exit_code == 0, result.output
+    ref = load_file(lora_moe.reference_dir / "model.safetensors")
+    with HfWeights(target) as ours:
+        assert sorted(ours.names()) == sorted(ref)
+        for name, expected in ref.items():
+            got = torch.from_numpy(ours.get(name).copy())
+            assert got.shape == expected.shape, name
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    own = torch.load(lora_moe.reference_dir / LOGITS_FILE, weights_only=True)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    torch.testing.assert_close(_logits(model, own["input_ids"]), own["logits"], atol=1e-5, rtol=1e-5)
+    verified = cli("verify", target)
+    assert verified.exit_code == 0, verified.output
+    # per expert weight 1 piece (4 experts Shard(0) over 2 ranks: each lives on one rank): 2 layers x 4 experts x
+    # 3 = 24; every other tensor 2 pieces: 21 tensors = 42; plus A and B (2 pieces each) of 4 adapted weights = 16
+    assert "pieces=82" in verified.stdout.replace(" ", "")
+
+
 # ---- adapter output
 
 
@@ -234,8 +287,72 @@ def test_full_save_with_lora_adapter_writes_the_peft_folder(cli, lora_full, tmp_
                                atol=1e-5, rtol=1e-5)
 
 
+# ---- save_lora_only fused into --base-model
+
+
+def _check_fused(target, demo):
+    from mergecore.tensorio import HfWeights
+
+    ref = load_file(demo.reference_dir / "model.safetensors")  # merge_and_unload().save_pretrained
+    with HfWeights(target) as ours:
+        assert sorted(ours.names()) == sorted(ref)
+        for name, expected in ref.items():
+            torch.testing.assert_close(torch.from_numpy(ours.get(name).copy()), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_lora_only_save_fuses_into_a_local_base_model(cli, lora_only, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    target = tmp_path / "model"
+    result = cli("merge", "--local_dir", lora_only.run_root, "--target_dir", target, "--dtype", "fp32",
+                 "--base-model", lora_only.reference_dir / "base")
+    assert result.exit_code == 0, result.output
+    _check_fused(target, lora_only)
+    own = torch.load(lora_only.reference_dir / LOGITS_FILE, weights_only=True)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    torch.testing.assert_close(_logits(model, own["input_ids"]), own["logits"], atol=1e-5, rtol=1e-5)
+    ref = load_file(lora_only.reference_dir / "lora_adapter" / "adapter_model.safetensors")
+    ours = load_file(target / "lora_adapter" / "adapter_model.safetensors")  # --lora both by default
+    assert sorted(ours) == sorted(ref) and all(torch.equal(ours[n], ref[n]) for n in ref)
+    verified = cli("verify", target)  # reopens the base model from the manifest: base pieces + A and B pieces
+    # 27 tensors, one piece each in the base folder; A and B (2 ranks each) of 4 adapted weights
+    assert verified.exit_code == 0 and "pieces=43" in verified.stdout.replace(" ", ""), verified.output
+
+
+def test_lora_only_save_fuses_into_a_base_model_on_the_hub(cli, hub, lora_only, tmp_path):
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo("alice/base")
+    api.upload_folder(repo_id="alice/base", folder_path=str(lora_only.reference_dir / "base"))
+    target = tmp_path / "model"
+    result = cli("merge", "--local_dir", lora_only.run_root, "--target_dir", target, "--dtype", "fp32",
+                 "--base-model", "alice/base", "--lora", "fuse")
+    assert result.exit_code == 0, result.output
+    _check_fused(target, lora_only)
+    assert not (target / "lora_adapter").exists()
+    downloads = [r.path for r in hub.requests if r.method == "GET" and "/resolve/" in r.path]
+    assert any(p.endswith("model.safetensors") for p in downloads)
+
+
+def test_base_model_of_other_shapes_is_refused(cli, lora_only, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    base = tmp_path / "other-base"
+    shutil.copytree(lora_only.reference_dir / "base", base)
+    weights = load_file(base / "model.safetensors")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    weights[q] = weights[q][:32].clone()
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    result = cli("merge", "--local_dir", lora_only.run_root, "--target_dir", tmp_path / "out", "--base-model", base)
+    assert result.exit_code == 2 and "--base-model" in result.stderr and q in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("args, says", [
-    (["--lora", "fuse"], "no base model to fuse into"),
+    (["--lora", "fuse"], "pass --base-model"),
     (["--lora", "both"], "no base model to fuse into"),
     (["--lora", "nonsense"], "choose one of"),
 ])
@@ -264,3 +381,38 @@ def test_promote_publishes_the_fused_model_with_its_adapter(prefect_server, lora
         q = "model.layers.1.self_attn.v_proj.weight"
         torch.testing.assert_close(torch.from_numpy(ours.get(q).copy()), ref[q], atol=1e-6, rtol=1e-6)
     assert (target / "lora_adapter" / "adapter_model.safetensors").exists()
+
+
+def test_promote_pushes_the_fused_model_and_its_adapter_to_one_repo(prefect_server, hub, lora_full, tmp_path):
+    from huggingface_hub import snapshot_download
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from flows.promote import promote_checkpoint
+
+    target = tmp_path / "model"
+    result = promote_checkpoint(checkpoint=str(lora_full.run_root), target=str(target), dtype="fp32",
+                                hub_repo="alice/lora-model", revision="step-1", lora_alpha=16.0)
+    assert result["hub"]["revision"] == "step-1"
+    files = hub.files("alice/lora-model", revision="step-1")
+    fused = load_file(lora_full.reference_dir / "model.safetensors")
+    weights = [f for f in files if f.endswith(".safetensors") and "/" not in f]
+    assert weights and files[weights[0]] == (target / weights[0]).read_bytes()
+    assert {"lora_adapter/adapter_config.json", "lora_adapter/adapter_model.safetensors"} <= set(files)
+    card = files["README.md"].decode()
+    assert "r=8, alpha=16.0 into q_proj, v_proj" in card and "--lora-alpha" in card and "`lora_adapter/`" in card
+
+    own = torch.load(lora_full.reference_dir / LOGITS_FILE, weights_only=True)
+    base = AutoModelForCausalLM.from_pretrained(lora_full.reference_dir / "base", dtype=torch.float32)
+    # peft's own Hub lookup ignores a patched endpoint, so fetch the revision as users of a mirror would
+    local = Path(snapshot_download("alice/lora-model", revision="step-1"))
+    peft_model = PeftModel.from_pretrained(base, local / "lora_adapter")
+    torch.testing.assert_close(_logits(peft_model, own["input_ids"]), own["logits"], atol=1e-5, rtol=1e-5)
+    pushed = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32)
+    torch.testing.assert_close(pushed.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+                               fused["model.layers.0.self_attn.q_proj.weight"], atol=1e-6, rtol=1e-6)
+
+
+def test_promote_refuses_an_adapter_only_output(prefect_server, cli, lora_only, tmp_path):
+    result = cli("promote", lora_only.run_root, "--target", tmp_path / "out")
+    assert result.exit_code == 2 and "--base-model" in result.stderr and not (tmp_path / "out").exists()

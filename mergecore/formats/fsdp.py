@@ -15,8 +15,7 @@ import numpy as np
 from ..arrays import bitwise_equal
 from ..errors import CheckpointError
 from ..storage import Location
-from ..hub_layout import HubSlice, hub_slices, needs_transformers
-from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
+from .base import CheckpointSource, Piece, TensorInfo
 from .detect import FSDP_RANK_FILE as RANK_FILE
 from .torchfile import DTensorRecord, ShardedTensorRecord, load
 
@@ -182,37 +181,13 @@ class FsdpCheckpoint(CheckpointSource):
             infos[name] = TensorInfo(name, shape, dtype, _layout_text(value))
         return infos
 
-    @cached_property
-    def _hub(self) -> dict[str, HubSlice] | None:
-        """Where transformers' in-memory layout differs from the Hub's (packed MoE experts, VLM prefixes):
-        each output tensor as a slice of one saved tensor. None when the saved names are the Hub's."""
-        if not needs_transformers(self._saved_infos):
-            return None
-        config_file = self.hf_dir.join("config.json") if self.hf_dir else None
-        if config_file is None or not config_file.exists():
-            return None  # nothing says which model this is: keep the saved names
-        return hub_slices(read_hf_config(self), {name: info.shape for name, info in self._saved_infos.items()})
-
-    @cached_property
-    def _infos(self) -> dict[str, TensorInfo]:
-        if self._hub is None:
-            return self._saved_infos
-        saved = self._saved_infos
-        return {name: TensorInfo(name, s.shape, saved[s.source].dtype, saved[s.source].layout)
-                for name, s in self._hub.items()}
-
-    @cached_property
-    def _pieces(self) -> dict[str, list[Piece]]:
-        if self._hub is None:
-            return self._saved_pieces
-        return {name: [p for piece in self._saved_pieces[s.source] if (p := _piece_in_slice(piece, s))]
-                for name, s in self._hub.items()}
-
     def tensors(self) -> dict[str, TensorInfo]:
-        return self._infos
+        """The saved names (transformers' in-memory layout; PEFT names for LoRA): `mergecore.merge.merge_view`
+        gives the names a merge writes."""
+        return self._saved_infos
 
     def pieces(self, name: str) -> Iterator[Piece]:
-        return iter(self._pieces[name])
+        return iter(self._saved_pieces[name])
 
     def input_files(self, names=None) -> list[Location]:
         return [self.rank_location(r) for r in range(self.world_size)]  # every rank holds a slice of every tensor
@@ -312,14 +287,3 @@ def _overlaps(a: Piece, b: Piece) -> bool:
         return False
     return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))
 
-
-def _piece_in_slice(piece: Piece, hub: HubSlice) -> Piece | None:
-    """The part of a saved piece inside an output's slice, in the output's coordinates (a view)."""
-    low = [max(o, a) for o, a in zip(piece.offsets, hub.start)]
-    high = [min(o + s, b) for o, s, b in zip(piece.offsets, piece.sizes, hub.stop)]
-    if any(h <= lo for lo, h in zip(low, high)):
-        return None
-    local = piece.tensor[tuple(slice(lo - o, h - o) for lo, h, o in zip(low, high, piece.offsets))]
-    offsets = tuple(0 if d is None else low[d] - hub.start[d] for d in hub.dims)
-    sizes = tuple(1 if d is None else high[d] - low[d] for d in hub.dims)
-    return Piece(piece.source, offsets, sizes, local.reshape(sizes), piece.primary)
