@@ -121,6 +121,7 @@ def test_plan_and_inspect_give_the_vision_tower_groups_of_its_own(vlm, merged, c
     assert (groups["visual.blocks.0"], groups["visual.blocks.1"]) == (blocks[0], blocks[1])
     assert groups["visual"] == len(vision) - blocks[0] - blocks[1]           # patch embed, merger(s), ...
     assert groups["embed"] == 1 and groups["head"] == 2                       # embed_tokens; norm + lm_head
+    assert manifest["groups"] == list(groups)                                  # the merge plan's groups
 
     result = cli("inspect", vlm.role_dir)
     assert result.exit_code == 0, result.output
