@@ -42,7 +42,7 @@ from typing import Any
 
 __all__ = ["DemoSpec", "DemoCheckpoint", "DemoCheckpointError", "write_demo_checkpoint"]
 
-ARCHS = ("qwen2", "llama", "critic", "qwen3_moe")
+ARCHS = ("qwen2", "llama", "critic", "qwen3_moe", "qwen2_5_vl", "qwen3_vl", "gemma3_text")
 MODES = ("fsdp2", "hsdp", "fsdp1_mesh", "fsdp1", "single")
 CONFIG_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -114,6 +114,8 @@ LORA_R = 8
 LORA_ALPHA = 16
 LORA_TARGETS = ("q_proj", "v_proj")
 LOGITS_FILE = "logits.pt"  # in reference/: {"input_ids", "logits"} of the trained model's own forward (LoRA runs)
+# (VLM and Gemma runs too; a VLM's file adds "image_inputs" (model kwargs: ids, pixel_values, image_grid_thw,
+# mm_token_type_ids) and "image_logits", its forward on text + one image.)
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,8 @@ def _validate(spec: DemoSpec) -> None:
         raise ValueError("nonfinite_param is only supported for modes 'fsdp2' and 'single'")
     if spec.lora_only and not spec.lora:
         raise ValueError("lora_only needs lora=True")
+    if spec.arch in _OWN_LOGITS_ARCHS and (spec.mode != "fsdp2" or spec.lora or spec.nonfinite_param):
+        raise ValueError(f"arch {spec.arch!r} is supported in mode 'fsdp2' without lora or nonfinite_param")
     if spec.lora and (spec.arch == "critic" or spec.mode not in ("fsdp2", "single")):
         raise ValueError("lora is supported for causal LMs in modes 'fsdp2' and 'single'")
     if spec.step < 0:
@@ -240,7 +244,7 @@ def _save_tokenizer(tokenizer, folder: Path, arch: str) -> None:
     # Name the class real checkpoints of this family name (and transformers 4 understands).
     cfg_path = folder / "tokenizer_config.json"
     data = json.loads(cfg_path.read_text())
-    data["tokenizer_class"] = "PreTrainedTokenizerFast" if arch == "llama" else "Qwen2Tokenizer"
+    data["tokenizer_class"] = "PreTrainedTokenizerFast" if arch in ("llama", "gemma3_text") else "Qwen2Tokenizer"
     cfg_path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
@@ -265,6 +269,8 @@ def _build_config(spec: DemoSpec, tokenizer):
         common["head_dim"] = spec.head_dim
     if spec.arch in _IN_MEMORY_LAYOUT_ARCHS:
         return _in_memory_layout_config(spec, common)
+    if spec.arch in _OWN_LOGITS_ARCHS:
+        return _vlm_or_gemma_config(spec, common, tokenizer)
     if spec.arch == "llama":
         config = LlamaConfig(**common)
         config.architectures = ["LlamaForCausalLM"]
@@ -282,6 +288,8 @@ def _build_config(spec: DemoSpec, tokenizer):
 def _model_class(arch: str):
     if arch in _IN_MEMORY_LAYOUT_ARCHS:
         return _in_memory_layout_model_class(arch)
+    if arch in _OWN_LOGITS_ARCHS:
+        return _vlm_or_gemma_model_class(arch)
     if arch == "llama":
         from transformers import LlamaForCausalLM
 
@@ -309,14 +317,16 @@ def _write_hf_dir(spec: DemoSpec, hf_dir: Path, tokenizer) -> None:
         from transformers import GenerationConfig
 
         GenerationConfig(
-            bos_token_id=config.bos_token_id,
-            eos_token_id=config.eos_token_id,
-            pad_token_id=config.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
             do_sample=True,
             temperature=0.7,
             top_p=0.8,
         ).save_pretrained(hf_dir)
     _save_tokenizer(tokenizer, hf_dir, spec.arch)
+    if spec.arch in _VLM_ARCHS:
+        _write_processor_files(spec.arch, hf_dir)
 
 
 # Models transformers 5 keeps in memory in another layout than the Hub's files (FSDP saves the in-memory
@@ -338,6 +348,118 @@ def _in_memory_layout_model_class(arch: str):
     from transformers import Qwen3MoeForCausalLM
 
     return Qwen3MoeForCausalLM
+
+
+# --------------------------------------------------------------------------- vision-language models and Gemma 3
+
+# Qwen2.5-VL / Qwen3-VL: transformers 5 keeps them in memory as `model.language_model.*` / `model.visual.*`
+# (the Hub's files: `model.layers.*` / `visual.*`, and Qwen3-VL `model.language_model.*`); their huggingface/
+# folder holds processor files beside the tokenizer. Gemma 3 text ships with tied embeddings.
+_VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
+_OWN_LOGITS_ARCHS = _VLM_ARCHS + ("gemma3_text",)
+_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# A tiny vision tower: 4x4-pixel patches, 2x2 of them merged into one language token, 2 frames per patch.
+_PATCH, _MERGE, _TEMPORAL = 4, 2, 2
+_IMAGE_GRID = (1, 4, 4)  # (frames / 2, patch rows, patch columns): 16 patches -> 4 image tokens
+_VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _add_vision_tokens(tokenizer) -> None:
+    tokenizer.add_special_tokens({"additional_special_tokens": list(_VISION_TOKENS)})
+    tokenizer.chat_template = _VLM_CHAT_TEMPLATE
+
+
+def _vlm_or_gemma_config(spec: DemoSpec, common: dict, tokenizer):
+    from transformers import Gemma3TextConfig, Qwen2_5_VLConfig, Qwen3VLConfig
+
+    head_dim = spec.head_dim or spec.hidden_size // spec.num_attention_heads
+    if spec.arch == "gemma3_text":
+        text = {**common, "tie_word_embeddings": True, "head_dim": head_dim}  # tied as Gemma ships, whatever the spec says
+        config = Gemma3TextConfig(**text, query_pre_attn_scalar=head_dim, sliding_window=8,
+                                  layer_types=["sliding_attention", "full_attention"] * (spec.num_hidden_layers // 2)
+                                  + ["sliding_attention"] * (spec.num_hidden_layers % 2))
+        config.architectures = ["Gemma3ForCausalLM"]
+        return config
+    dtype, tie = common.pop("dtype"), common.pop("tie_word_embeddings")
+    # M-RoPE splits each head's rotary frequencies over (time, height, width).
+    half = head_dim // 2
+    rope = {"rope_type": "default", "rope_theta": 10000.0,
+            "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=_PATCH,
+                  spatial_merge_size=_MERGE, temporal_patch_size=_TEMPORAL, out_hidden_size=spec.hidden_size)
+    ids = {f"{kind}_token_id": tokenizer.convert_tokens_to_ids(token) for kind, token in
+           zip(("vision_start", "vision_end", "image", "video"), _VISION_TOKENS)}
+    if spec.arch == "qwen2_5_vl":
+        vision.update(window_size=_PATCH * _MERGE * 2, fullatt_block_indexes=[1])
+        config = Qwen2_5_VLConfig(text_config={**common, "rope_parameters": rope}, vision_config=vision,
+                                  tie_word_embeddings=tie, dtype=dtype, **ids)
+        config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    else:
+        vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
+        config = Qwen3VLConfig(text_config={**common, "head_dim": head_dim, "rope_parameters": {**rope, "mrope_interleaved": True}},
+                               vision_config=vision, tie_word_embeddings=tie, dtype=dtype, **ids)
+        config.architectures = ["Qwen3VLForConditionalGeneration"]
+    return config
+
+
+def _vlm_or_gemma_model_class(arch: str):
+    import transformers
+
+    return getattr(transformers, {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                                  "qwen3_vl": "Qwen3VLForConditionalGeneration",
+                                  "gemma3_text": "Gemma3ForCausalLM"}[arch])
+
+
+def _write_processor_files(arch: str, hf_dir: Path) -> None:
+    """preprocessor_config.json and video_preprocessor_config.json as the Qwen VL processor classes'
+    save_pretrained writes them (those classes need torchvision and Pillow, which the fixture does without;
+    the tokenizer's save already wrote chat_template.jinja)."""
+    mean, std = ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]) if arch == "qwen2_5_vl" \
+        else ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
+    processor = "Qwen2_5_VLProcessor" if arch == "qwen2_5_vl" else "Qwen3VLProcessor"
+    pixels = {"shortest_edge": (_PATCH * _MERGE) ** 2, "longest_edge": (_PATCH * _MERGE) ** 2 * 16}
+    common = dict(do_convert_rgb=True, do_normalize=True, do_rescale=True, do_resize=True, image_mean=mean,
+                  image_std=std, merge_size=_MERGE, patch_size=_PATCH, processor_class=processor, resample=3,
+                  rescale_factor=1 / 255, size=pixels, temporal_patch_size=_TEMPORAL)
+    video_class = "Qwen2VLVideoProcessor" if arch == "qwen2_5_vl" else "Qwen3VLVideoProcessor"
+    files = {"preprocessor_config.json": {**common, "image_processor_type": "Qwen2VLImageProcessor"},
+             "video_preprocessor_config.json": {**common, "video_processor_type": video_class, "do_sample_frames": False,
+                                                "min_frames": 4, "max_frames": 768}}
+    for name, data in files.items():
+        (hf_dir / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _first_vision_token(config) -> int:
+    return min(config.vision_start_token_id, config.vision_end_token_id, config.image_token_id, config.video_token_id)
+
+
+def _image_batch(config, batch_size: int, gen) -> dict:
+    """Model inputs for `batch_size` samples of _SEQ_LEN tokens, each showing one random image of _IMAGE_GRID
+    patches at the processor's positions: <|vision_start|> <|image_pad|> x tokens <|vision_end|> after one
+    text token. `mm_token_type_ids` (1 = image) is what Qwen3-VL's processor returns for M-RoPE."""
+    import torch
+
+    frames, rows, cols = _IMAGE_GRID
+    image_tokens = frames * rows * cols // _MERGE**2
+    ids = torch.randint(0, _first_vision_token(config), (batch_size, _SEQ_LEN), generator=gen)
+    ids[:, 1] = config.vision_start_token_id
+    ids[:, 2:2 + image_tokens] = config.image_token_id
+    ids[:, 2 + image_tokens] = config.vision_end_token_id
+    patch_values = 3 * _TEMPORAL * _PATCH * _PATCH
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "pixel_values": torch.randn(batch_size * frames * rows * cols, patch_values, generator=gen),
+        "image_grid_thw": torch.tensor([list(_IMAGE_GRID)] * batch_size),
+        "mm_token_type_ids": (ids == config.image_token_id).long(),
+    }
 
 
 # --------------------------------------------------------------------------- training (every rank)
@@ -387,16 +509,27 @@ def _wrap_fsdp2(model, spec: DemoSpec, world_size: int):
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": True}
     if spec.shard_placement_fn:
         kwargs["shard_placement_fn"] = _placement_fn(fsdp_size)
-    # Like verl: every decoder layer (and an untied input embedding) is its own unit, then the root
-    # (a PeftModel root when LoRA wraps the model).
-    hf_model = model.get_base_model() if spec.lora else model
-    units = list(hf_model.model.layers)
-    if not hf_model.config.tie_word_embeddings:
-        units.insert(0, hf_model.model.embed_tokens)
-    for unit in units:
+    for unit in _fsdp2_units(model.get_base_model() if spec.lora else model):
         fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
+    fully_shard(model, **kwargs)  # the root (a PeftModel root when LoRA wraps the model)
     return model
+
+
+def _fsdp2_units(hf_model) -> list:
+    """The modules verl's `apply_fsdp2` shards one by one before the root, in module order: every module whose
+    class is in the model's `_no_split_modules` (decoder layers; a VLM's vision blocks too) and, when the
+    embeddings are untied, every `nn.Embedding` (a VLM's vision position table too)."""
+    import torch
+
+    wrap = set(hf_model._no_split_modules or ())
+    untied = not _tied(hf_model.config)
+    return [module for module in hf_model.modules()
+            if type(module).__name__ in wrap or (untied and isinstance(module, torch.nn.Embedding))]
+
+
+def _tied(config) -> bool:
+    text_config = getattr(config, "get_text_config", lambda: config)()
+    return bool(getattr(config, "tie_word_embeddings", None) or getattr(text_config, "tie_word_embeddings", False))
 
 
 def _wrap_fsdp1(model, spec: DemoSpec, world_size: int):
@@ -482,22 +615,25 @@ def _train_and_save(rank: int, world_size: int, spec: DemoSpec, role_dir: Path, 
 
     # Data parallel: every rank gets its own fixed batch.
     gen = torch.Generator().manual_seed(spec.seed * 7919 + 1000 + rank)
-    input_ids = torch.randint(0, spec.vocab_size, (_BATCH_SIZE, _SEQ_LEN), generator=gen)
-    attention_mask = torch.ones_like(input_ids)
-    if spec.arch == "critic":
+    if spec.arch in _VLM_ARCHS:  # every sample shows the model an image: the vision tower and merger learn too
+        batch = _image_batch(config, _BATCH_SIZE, gen)
+        loss = model(**batch, labels=batch["input_ids"]).loss
+    elif spec.arch == "critic":
+        input_ids = torch.randint(0, spec.vocab_size, (_BATCH_SIZE, _SEQ_LEN), generator=gen)
         target = torch.randn(_BATCH_SIZE, _SEQ_LEN, generator=gen)
-        values = model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1)
+        values = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits.squeeze(-1)
         loss = F.mse_loss(values.float(), target)
     else:
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids).loss
+        input_ids = torch.randint(0, spec.vocab_size, (_BATCH_SIZE, _SEQ_LEN), generator=gen)
+        loss = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=input_ids).loss
     loss.backward()  # FSDP reduce-scatters (averages) the gradients across ranks here
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     if spec.nonfinite_param is not None and rank == 0:
         _diverge(model, spec.nonfinite_param)
-    if spec.lora:
-        logits = _own_logits(model, spec)  # every rank takes part in FSDP's forward
+    if spec.lora or spec.arch in _OWN_LOGITS_ARCHS:
+        logits = _own_logits(model, spec, config)  # every rank takes part in FSDP's forward
         if rank == 0:
             torch.save(logits, reference_dir / LOGITS_FILE)
 
@@ -549,16 +685,22 @@ def _train_and_save(rank: int, world_size: int, spec: DemoSpec, role_dir: Path, 
         )
 
 
-def _own_logits(model, spec: DemoSpec) -> dict:
-    """The trained model's own forward on fixed ids: what a fused model and base + adapter must give."""
+def _own_logits(model, spec: DemoSpec, config) -> dict:
+    """The trained model's own forward on fixed ids (and, for a VLM, on fixed text + image): what a merged
+    model (a fused one, base + adapter) must give."""
     import torch
 
-    ids = torch.randint(0, spec.vocab_size, (1, _SEQ_LEN), generator=torch.Generator().manual_seed(4242))
+    gen = torch.Generator().manual_seed(4242)
+    high = _first_vision_token(config) if spec.arch in _VLM_ARCHS else spec.vocab_size
+    ids = torch.randint(0, high, (1, _SEQ_LEN), generator=gen)
     model.eval()
     with torch.no_grad():
-        logits = model(input_ids=ids).logits.float()
+        result = {"input_ids": ids, "logits": model(input_ids=ids).logits.float().clone()}
+        if spec.arch in _VLM_ARCHS:
+            image_inputs = _image_batch(config, 1, gen)
+            result.update(image_inputs=image_inputs, image_logits=model(**image_inputs).logits.float().clone())
     model.train()
-    return {"input_ids": ids, "logits": logits.clone()}
+    return result
 
 
 def _save_lora_references(peft_model, full: dict, reference_dir: Path, role_dir: Path) -> None:
@@ -747,6 +889,8 @@ def write_demo_checkpoint(out_dir: str | Path, spec: DemoSpec = DemoSpec()) -> D
         st_ref.mkdir()
 
         tokenizer = _build_tokenizer(spec.vocab_size)
+        if spec.arch in _VLM_ARCHS:
+            _add_vision_tokens(tokenizer)
         _write_hf_dir(spec, st_role / "huggingface", tokenizer)
 
         if spec.mode == "single":

@@ -105,6 +105,13 @@ def _auto_class(folder: Path):
         raise CheckpointError(f"{folder / 'config.json'}: architectures is {architectures!r}, not a list of class names")
     if architectures[0].endswith("ForTokenClassification"):
         return transformers.AutoModelForTokenClassification
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+    # A vision-language model (Qwen2.5-VL, Qwen3-VL) has no causal-LM auto class; its text forward is the same.
+    model_type = read_json(folder / "config.json").get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return transformers.AutoModelForImageTextToText
     return transformers.AutoModelForCausalLM
 
 
