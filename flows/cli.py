@@ -391,6 +391,32 @@ def promote(
         out.print(f"hub: {hub['url']} ({change} {hub['commit'][:12]})", highlight=False, soft_wrap=True)
 
 
+@app.command()
+@cli_errors
+def watch(
+    root: str = typer.Argument(..., help="Folder or fsspec URL (s3://...) that training uploads checkpoints to."),
+    interval: float = typer.Option(60.0, "--interval", help="Seconds between polls; a checkpoint is announced once "
+                                   "it is complete and unchanged across two polls."),
+    state: Optional[Path] = typer.Option(None, "--state", help="State file (default: under PREFECT_HOME, one per root)."),
+    once: bool = typer.Option(False, "--once", help="Poll once and exit (for cron; the state carries sizes between runs)."),
+):
+    """Poll storage for new complete checkpoints and post `checkpoint.uploaded` for each, once."""
+    from flows.watch import Watcher, configured_api_url
+
+    if interval <= 0:
+        refuse(f"--interval {interval}: give a positive number of seconds")
+    watcher = Watcher(root, configured_api_url(), state)
+    say = lambda url: out.print(f"announced {url}", highlight=False, soft_wrap=True)  # noqa: E731
+    if once:
+        for url in watcher.poll_once():
+            say(url)
+        return
+    try:
+        watcher.run(interval, say)
+    except KeyboardInterrupt:
+        pass
+
+
 @app.command("demo-checkpoint")
 @cli_errors
 def demo_checkpoint(
