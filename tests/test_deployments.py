@@ -35,3 +35,13 @@ def test_deployment_matches_the_flow(deployment):
         CronSchedule(cron=schedule["cron"], timezone=schedule.get("timezone"))
         assert required <= given
     assert deployment["work_pool"]["name"]
+
+
+def test_promote_latest_is_scheduled_but_inactive_until_configured():
+    from prefect.client.schemas.schedules import CronSchedule
+
+    latest = [d for d in SPEC["deployments"] if d["entrypoint"] == "flows/latest.py:promote_latest"]
+    assert len(latest) == 1 and latest[0]["schedules"]
+    for schedule in latest[0]["schedules"]:
+        assert schedule["active"] is False
+        assert CronSchedule(cron=schedule["cron"], timezone=schedule["timezone"]).cron == schedule["cron"]
