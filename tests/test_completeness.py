@@ -9,6 +9,9 @@ import pytest
 
 from mergecore.completeness import poll
 
+s3fs = pytest.importorskip("s3fs")
+from test_storage_s3 import s3_endpoint, s3_env  # noqa: E402,F401  (moto S3 fixtures)
+
 
 @pytest.fixture(scope="module")
 def legacy(tmp_path_factory):
@@ -133,3 +136,21 @@ def test_megatron_dist_needs_the_dcp_metadata(dist, tmp_path):
 
 def test_an_empty_or_missing_root_has_nothing(tmp_path):
     assert poll(tmp_path / "absent").complete == [] and poll(tmp_path).sizes == {}
+
+
+def test_on_s3_a_partial_upload_waits_and_the_complete_one_is_found(demo, s3_env):
+    original = demo("fsdp2-w2").run_root
+    s3_env.mkdir("uploads")
+    role = next(original.glob("global_step_*/actor"))
+    step = role.parent.name
+    for path in sorted(role.rglob("*")):
+        if path.is_file() and "_rank_1" not in path.name:
+            s3_env.put_file(str(path), f"uploads/run1/{step}/actor/{path.relative_to(role).as_posix()}")
+    url = f"s3://uploads/run1/{step}/actor"
+    first, second = two_polls("s3://uploads")
+    assert second.complete == [] and "missing ranks [1]" in second.waiting[url]
+    for path in sorted(role.glob("*_rank_1.pt")):
+        s3_env.put_file(str(path), f"uploads/run1/{step}/actor/{path.name}")
+    third = poll("s3://uploads", second.sizes)
+    assert third.complete == [] and "stable" in third.waiting[url]
+    assert poll("s3://uploads", third.sizes).complete == [url]
