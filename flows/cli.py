@@ -405,6 +405,60 @@ def promote(
         out.print(f"hub: {hub['url']} ({change} {hub['commit'][:12]})", highlight=False, soft_wrap=True)
 
 
+@app.command()
+@cli_errors
+def watch(
+    root: str = typer.Argument(..., help="Folder or fsspec URL (s3://...) that training uploads checkpoints to."),
+    interval: float = typer.Option(60.0, "--interval", help="Seconds between polls; a checkpoint is announced once "
+                                   "it is complete and unchanged across two polls."),
+    state: Optional[Path] = typer.Option(None, "--state", help="State file (default: under PREFECT_HOME, one per root)."),
+    once: bool = typer.Option(False, "--once", help="Poll once and exit (for cron; the state carries sizes between runs)."),
+):
+    """Poll storage for new complete checkpoints and post `checkpoint.uploaded` for each, once."""
+    from flows.watch import Watcher, configured_api_url
+
+    if interval <= 0:
+        refuse(f"--interval {interval}: give a positive number of seconds")
+    watcher = Watcher(root, configured_api_url(), state)
+    say = lambda url: out.print(f"announced {url}", highlight=False, soft_wrap=True)  # noqa: E731
+    if once:
+        for url in watcher.poll_once():
+            say(url)
+        return
+    try:
+        watcher.run(interval, say)
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command("promote-latest")
+@cli_errors
+def promote_latest_command(
+    run_roots: list[str] = typer.Argument(..., help="Run roots (folders holding global_step_N and latest_checkpointed_iteration.txt)."),
+    target_root: str = typer.Option(..., "--target-root", help="Promotions land in TARGET_ROOT/RUN/step-N."),
+    hub_org: Optional[str] = typer.Option(None, "--hub-org", help="Push to the Hub repo ORG/RUN, branch step-N."),
+    keep_last_n: Optional[int] = typer.Option(None, "--keep-last-n", help="Keep only the newest N promoted folders and Hub branches (never training checkpoints)."),
+    role: str = ROLE,
+    dtype: str = DTYPE,
+    hub_token_secret: Optional[str] = typer.Option(None, "--hub-token-secret", help="Prefect Secret block holding the Hub token (default: HF_TOKEN)."),
+):
+    """Promote the latest step of each run unless it is already promoted (the target and Hub branch are the ledger)."""
+    from flows.latest import promote_latest
+    from flows.run import first_error, in_process_settings
+
+    with in_process_settings():
+        state = promote_latest(run_roots=run_roots, target_root=target_root, hub_org=hub_org, keep_last_n=keep_last_n,
+                               role=role, dtype=dtype, hub_token_secret=hub_token_secret, return_state=True)
+    if not state.is_completed():
+        raise first_error(state)
+    for run, done in state.result().items():
+        what = "promoted" if done["promoted"] else "already promoted"
+        where = done["target"] + (f" and {done['hub_repo']}@{done['revision']}" if done["hub_repo"] else "")
+        out.print(f"{run} step {done['step']}: {what} at {where}", highlight=False, soft_wrap=True)
+        for removed in done["removed"].get("folders", []) + done["removed"].get("branches", []):
+            out.print(f"{run}: removed {removed} (keep-last-n)", highlight=False, soft_wrap=True)
+
+
 @app.command("demo-checkpoint")
 @cli_errors
 def demo_checkpoint(
