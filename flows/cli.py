@@ -459,6 +459,65 @@ def promote_latest_command(
             out.print(f"{run}: removed {removed} (keep-last-n)", highlight=False, soft_wrap=True)
 
 
+@app.command()
+@cli_errors
+def deploy(
+    target_root: Optional[str] = typer.Option(None, "--target-root", help="Folder promotions of events land under "
+                                              "({root}/{run}/step-{N}); default: what the deployment already has."),
+    hub_org: Optional[str] = typer.Option(None, "--hub-org", help="Hub organisation events push to ({org}/{run}, "
+                                          "branch step-{N}); default: what the deployment already has, else no push."),
+    pool: str = typer.Option("ckptflow-process", "--pool", help="Process work pool to create and deploy to."),
+):
+    """Create the work pool and apply deployments/prefect.yaml (and its triggers) to PREFECT_API_URL; idempotent."""
+    from flows.deploy import apply_deployments
+
+    for line in apply_deployments(target_root, hub_org, pool):
+        out.print(line, highlight=False, soft_wrap=True)
+
+
+@app.command()
+@cli_errors
+def notify(
+    checkpoint: str = typer.Argument(..., help="The uploaded checkpoint (role folder URL or path)."),
+    step: Optional[int] = typer.Option(None, "--step", help="Training step (default: from global_step_N in the path)."),
+    run: Optional[str] = typer.Option(None, "--run", help="Run name (default: the folder above global_step_N)."),
+    target: Optional[str] = typer.Option(None, "--target", help="Output folder, inside the deployment's target root."),
+    hub_repo: Optional[str] = typer.Option(None, "--hub-repo", help="Hub repo, inside the deployment's organisation."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub branch (default: step-N)."),
+    wait: bool = typer.Option(False, "--wait", help="Follow the promotion run; exit 0 when it completes."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="With --wait: give up after this many seconds."),
+):
+    """Announce an uploaded checkpoint (`checkpoint.uploaded` event) to PREFECT_API_URL; the deployment promotes it."""
+    from flows.deploy import api_url
+    from flows.events import checkpoint_event, follow_run, post_events, triggered_run
+
+    event = checkpoint_event(checkpoint, step, run, target=target, hub_repo=hub_repo, revision=revision)
+    post_events(api_url(), [event])
+    out.print(f"announced {checkpoint} (event {event['id']})", highlight=False, soft_wrap=True)
+    if not wait:
+        return
+    found = triggered_run(event)
+    out.print(f"flow run {found.name} ({found.id}) created by the automation; following it", highlight=False,
+              soft_wrap=True)
+    finished = follow_run(found.id, timeout, on_state=lambda r: err.print(f"{r.name}: {r.state.name}", highlight=False))
+    message = finished.state.message or ""
+    if finished.state.is_completed():
+        out.print(message or "completed", highlight=False, soft_wrap=True)
+        out.print(since_event(event, finished), highlight=False, soft_wrap=True)
+        return
+    fail(f"flow run {finished.name} ended {finished.state.name}: {message}", 1)
+
+
+def since_event(event: dict, run) -> str:
+    """How long after the event the run started and ended (the server's clock for both, when on one machine)."""
+    import datetime
+
+    occurred = datetime.datetime.fromisoformat(event["occurred"])
+    seconds = lambda moment: (moment - occurred).total_seconds()  # noqa: E731
+    return (f"run started {seconds(run.start_time):.1f} s after the event; model published "
+            f"{seconds(run.end_time):.1f} s after it")
+
+
 @app.command("demo-checkpoint")
 @cli_errors
 def demo_checkpoint(

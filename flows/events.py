@@ -91,3 +91,53 @@ def promotion_place(target_root: str, hub_org: str | None, run: str, step: int |
     return {"target": f"{target_root.rstrip('/')}/{run}/{leaf}",
             "hub_repo": f"{hub_org}/{run}" if hub_org else None,
             "revision": leaf if hub_org else None}
+
+
+def triggered_run(event: dict, find_timeout_s: float = 60.0, poll_s: float = 0.5):
+    """The flow run an automation created for `event` (its `event_id` parameter, which the trigger templates
+    fill from `{{ event.id }}`); a one-line CheckpointError when none appears within `find_timeout_s`."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterExpectedStartTime
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    occurred = datetime.datetime.fromisoformat(event["occurred"])
+    recent = FlowRunFilter(expected_start_time=FlowRunFilterExpectedStartTime(
+        after_=occurred - datetime.timedelta(minutes=5)))
+    deadline = time.monotonic() + find_timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            for run in client.read_flow_runs(flow_run_filter=recent, sort=FlowRunSort.EXPECTED_START_TIME_DESC,
+                                             limit=200):
+                if (run.parameters or {}).get("event_id") == event["id"]:
+                    return run
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"no flow run was created for event {event['id']} within {find_timeout_s:.0f} s: apply the "
+                    "deployment (`ckptflow deploy`), check its trigger is enabled and the server log")
+            time.sleep(poll_s)
+
+
+def follow_run(run_id, timeout_s: float | None = None, poll_s: float = 1.0, on_state=None):
+    """The flow run once it reaches a final state (Completed, Failed, Crashed, Cancelled); `on_state(run)` is
+    called at each new state. A one-line CheckpointError after `timeout_s`."""
+    import time
+
+    from prefect.client.orchestration import get_client
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    seen = None
+    with get_client(sync_client=True) as client:
+        while True:
+            run = client.read_flow_run(run_id)
+            if run.state and run.state.name != seen:
+                seen = run.state.name
+                if on_state:
+                    on_state(run)
+            if run.state and run.state.is_final():
+                return run
+            if deadline is not None and time.monotonic() > deadline:
+                raise CheckpointError(f"flow run {run.name} ({run.id}) still {seen} after {timeout_s:.0f} s; is a "
+                                      f"worker polling its work pool ({run.work_pool_name})?")
+            time.sleep(poll_s)

@@ -103,3 +103,36 @@ def test_the_gpu_deployment_fits_its_pool_template():
     variables = {k: v for k, v in gpu["work_pool"]["job_variables"].items()}
     assert set(variables) <= set(template["variables"]["properties"])
     validate({**variables, "image": "x"}, template["variables"], raise_on_error=True)
+
+
+def trigger_parameters(name: str) -> dict:
+    (deployment,) = [d for d in SPEC["deployments"] if d["name"] == name]
+    (trigger,) = deployment["triggers"]
+    return trigger["parameters"]
+
+
+OPTIONAL = {"step": 1000, "run": "run9", "target": "/models/x", "hub_repo": "acme/x", "revision": "rc-1"}
+
+
+@pytest.mark.parametrize("given", [(), *[(field,) for field in OPTIONAL], tuple(OPTIONAL)], ids=lambda g: "+".join(g) or "url-only")
+def test_trigger_templates_render_with_and_without_each_field(given):
+    """Rendered as Prefect's server renders a RunDeployment action: a missing field is None, never an error
+    (an undefined field makes the server create no run at all)."""
+    import copy
+
+    from prefect.server.events.actions import RunDeployment
+    from prefect.server.events.schemas.events import ReceivedEvent
+    from prefect.utilities.schema_tools.hydration import HydrationContext, hydrate
+
+    import datetime
+    import uuid
+
+    event = ReceivedEvent(event="checkpoint.uploaded", resource={"prefect.resource.id": "s3://b/ckpt"},
+                          payload={field: OPTIONAL[field] for field in given}, id=uuid.uuid4(),
+                          occurred=datetime.datetime.now(datetime.timezone.utc))
+    parameters = copy.deepcopy(trigger_parameters("promote-on-upload"))
+    RunDeployment._upgrade_v1_templates(parameters)
+    rendered = hydrate(parameters, HydrationContext(raise_on_error=True, render_jinja=True,
+                                                    jinja_context={"event": event}))
+    assert rendered == {"checkpoint": "s3://b/ckpt", "event_id": str(event.id),
+                        **{field: OPTIONAL[field] if field in given else None for field in OPTIONAL}}
