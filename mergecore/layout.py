@@ -222,7 +222,8 @@ def check_against_config(shapes: dict[str, tuple[int, ...]], config: dict, where
             f"tensor {unknown[0]} is not a {model_type} parameter per {where}; the checkpoint and "
             "config.json are from different models (pass --hf_model_path with the right config)"
         )
-    layers = {i for name in shapes if (i := layer_index(name)) is not None}
+    # a vision tower's own `layers.N` (SigLIP under `vision_tower.`) are not decoder layers
+    layers = {i for name in shapes if (i := layer_index(name)) is not None and not _VISION.search(name)}
     expected = text_config(config).get("num_hidden_layers")
     if layers and isinstance(expected, int) and layers != set(range(expected)):
         raise CheckpointError(
