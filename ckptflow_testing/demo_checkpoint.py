@@ -42,7 +42,7 @@ from typing import Any
 
 __all__ = ["DemoSpec", "DemoCheckpoint", "DemoCheckpointError", "write_demo_checkpoint"]
 
-ARCHS = ("qwen2", "llama", "critic", "qwen3_moe", "qwen2_5_vl", "qwen3_vl", "gemma3_text")
+ARCHS = ("qwen2", "llama", "critic", "qwen3_moe", "qwen2_moe", "mixtral", "qwen2_5_vl", "qwen3_vl", "gemma3_text")
 MODES = ("fsdp2", "hsdp", "fsdp1_mesh", "fsdp1", "single")
 CONFIG_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -330,24 +330,43 @@ def _write_hf_dir(spec: DemoSpec, hf_dir: Path, tokenizer) -> None:
 
 
 # Models transformers 5 keeps in memory in another layout than the Hub's files (FSDP saves the in-memory
-# one; save_pretrained writes the Hub's): Qwen3-MoE packs each layer's experts into 3-D tensors.
-_IN_MEMORY_LAYOUT_ARCHS = ("qwen3_moe",)
+# one; save_pretrained writes the Hub's): each layer's experts packed into 3-D `mlp.experts.gate_up_proj`
+# / `mlp.experts.down_proj`. Hub files: Qwen3-MoE and Qwen2-MoE `mlp.experts.N.{gate,up,down}_proj`
+# (Qwen2-MoE adds a shared expert and its sigmoid gate), Mixtral `block_sparse_moe.experts.N.w1/w3/w2`.
+_IN_MEMORY_LAYOUT_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
 _MOE_EXPERTS = 4
+# arch -> (config class, model class) in transformers.
+_MOE_FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+}
+
+
+def _moe_fields(arch: str, spec: DemoSpec) -> dict:
+    expert_size = spec.intermediate_size // 4  # tiny experts keep each fixture as cheap as a dense one
+    if arch == "mixtral":  # experts are `intermediate_size` wide; no shared expert
+        return dict(num_local_experts=_MOE_EXPERTS, num_experts_per_tok=2, intermediate_size=expert_size)
+    fields = dict(num_experts=_MOE_EXPERTS, num_experts_per_tok=2, moe_intermediate_size=expert_size,
+                  decoder_sparse_step=1)
+    if arch == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = 2 * expert_size
+    return fields
 
 
 def _in_memory_layout_config(spec: DemoSpec, common: dict):
-    from transformers import Qwen3MoeConfig
+    import transformers
 
-    config = Qwen3MoeConfig(**common, num_experts=_MOE_EXPERTS, num_experts_per_tok=2,
-                            moe_intermediate_size=spec.intermediate_size // 4, decoder_sparse_step=1)
-    config.architectures = ["Qwen3MoeForCausalLM"]
+    config_class, model_class = _MOE_FAMILIES[spec.arch]
+    config = getattr(transformers, config_class)(**{**common, **_moe_fields(spec.arch, spec)})
+    config.architectures = [model_class]
     return config
 
 
 def _in_memory_layout_model_class(arch: str):
-    from transformers import Qwen3MoeForCausalLM
+    import transformers
 
-    return Qwen3MoeForCausalLM
+    return getattr(transformers, _MOE_FAMILIES[arch][1])
 
 
 # --------------------------------------------------------------------------- vision-language models and Gemma 3

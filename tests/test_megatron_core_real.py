@@ -41,9 +41,15 @@ def merge_and_compare(role: Path, expected: dict, out: Path, stacked: bool = Tru
 
 @pytest.mark.parametrize("kind", ["dense", "tied", "llama", "qwen3", "moe"])
 def test_tp1_save_merges_to_the_models_own_parameters(kind, tmp_path_factory, tmp_path):
+    """MoE: Megatron's experts come out one tensor per expert, in the Hub's names (`mlp.experts.N.gate_proj.weight`),
+    never packed."""
     role = tp1_save(tmp_path_factory, kind)
     assert open_checkpoint(str(role.parent.parent)).step == STEP
     merge_and_compare(role, hf_tensors(role), tmp_path / "merged")
+    if kind == "moe":
+        merged = load_folder(tmp_path / "merged")
+        assert "model.layers.0.mlp.experts.0.gate_proj.weight" in merged
+        assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in merged)
     if kind != "moe":  # Megatron's own forward runs on CPU for the local dense spec (not MoE: its kernels)
         assert_logits_match(tmp_path / "merged", role / "logits.pt")
 

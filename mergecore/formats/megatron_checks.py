@@ -15,10 +15,12 @@ import re
 from collections.abc import Iterable, Mapping
 
 from ..errors import CheckpointError
-from ..layout import layer_index
+from ..layout import MOE_SHAPES, check_expert_counts, check_shapes, layer_index, shape_rows
 from .base import TensorInfo
 
 __all__ = ["check_layers", "check_moe"]
+
+MOE_ROWS = shape_rows(MOE_SHAPES)
 
 
 def check_layers(names: Iterable[str], config: dict, folder, config_file) -> None:
@@ -47,37 +49,8 @@ def check_layers(names: Iterable[str], config: dict, folder, config_file) -> Non
 
 
 def check_moe(tensors: Mapping[str, TensorInfo], config: dict, folder, config_file) -> None:
-    """Expert shapes and counts per config.json (layout.py checks dense families only)."""
-    experts = next((config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config), None)
-    hidden = config.get("hidden_size")
-    if not isinstance(experts, int) or not isinstance(hidden, int):
-        return
-    moe, shared = config.get("moe_intermediate_size"), config.get("shared_expert_intermediate_size")
-    want_by_suffix = {
-        r"mlp\.experts\.\d+\.(gate|up)_proj\.weight": (moe, hidden),
-        r"mlp\.experts\.\d+\.down_proj\.weight": (hidden, moe),
-        r"mlp\.shared_expert\.(gate|up)_proj\.weight": (shared, hidden),
-        r"mlp\.shared_expert\.down_proj\.weight": (hidden, shared),
-        r"mlp\.shared_expert_gate\.weight": (1, hidden),
-        r"mlp\.gate\.weight": (experts, hidden),
-    }
-    per_layer: dict[int, set[int]] = {}
-    for name, info in tensors.items():
-        match = re.match(r"model\.layers\.(\d+)\.(.*)$", name)
-        if not match:
-            continue
-        expert = re.match(r"mlp\.experts\.(\d+)\.", match[2])
-        if expert:
-            per_layer.setdefault(int(match[1]), set()).add(int(expert[1]))
-        for pattern, want in want_by_suffix.items():
-            if re.fullmatch(pattern, match[2]) and None not in want and tuple(info.shape) != want:
-                raise CheckpointError(
-                    f"tensor {name} has shape {info.shape} but {config_file} implies {want} (from {info.layout}); the "
-                    "checkpoint and config.json are from different models (pass --hf_model_path with the right config)"
-                )
-    for layer, found in sorted(per_layer.items()):
-        if found != set(range(experts)):
-            raise CheckpointError(
-                f"{folder}: decoder layer {layer} has experts {sorted(found)[:3]}... ({len(found)}) but {config_file} "
-                f"says {experts} experts; expert-parallel pieces are missing or the config is not this model's"
-            )
+    """Expert, router and shared-expert shapes and the expert count of every MoE layer per config.json:
+    layout.py's MoE rows and expert check (one place for both readers and the FSDP Hub layout)."""
+    check_shapes({name: info.shape for name, info in tensors.items()}, config, str(config_file), MOE_ROWS,
+                 origin={name: info.layout for name, info in tensors.items()})
+    check_expert_counts(tensors, config, folder, config_file)
