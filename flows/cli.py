@@ -415,11 +415,12 @@ def watch(
     once: bool = typer.Option(False, "--once", help="Poll once and exit (for cron; the state carries sizes between runs)."),
 ):
     """Poll storage for new complete checkpoints and post `checkpoint.uploaded` for each, once."""
-    from flows.watch import Watcher, configured_api_url
+    from flows.events import api_url
+    from flows.watch import Watcher
 
     if interval <= 0:
         refuse(f"--interval {interval}: give a positive number of seconds")
-    watcher = Watcher(root, configured_api_url(), state)
+    watcher = Watcher(root, api_url(), state)
     say = lambda url: out.print(f"announced {url}", highlight=False, soft_wrap=True)  # noqa: E731
     if once:
         for url in watcher.poll_once():
@@ -488,7 +489,7 @@ def notify(
     timeout: Optional[float] = typer.Option(None, "--timeout", help="With --wait: give up after this many seconds."),
 ):
     """Announce an uploaded checkpoint (`checkpoint.uploaded` event) to PREFECT_API_URL; the deployment promotes it."""
-    from flows.deploy import api_url
+    from flows.events import api_url
     from flows.events import checkpoint_event, follow_run, post_events, triggered_run
 
     event = checkpoint_event(checkpoint, step, run, target=target, hub_repo=hub_repo, revision=revision)

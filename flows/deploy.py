@@ -17,22 +17,13 @@ import yaml
 
 from mergecore import CheckpointError
 
+from .events import api_url
+
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "deployments" / "prefect.yaml"
 PROCESS_POOL = "ckptflow-process"
 BOUNDARY = ("target_root", "hub_org")
 _ENV = re.compile(r"\{\{\s*\$(\w+)\s*\}\}")
-
-
-def api_url() -> str:
-    """PREFECT_API_URL (environment or profile); events and deployments need a server that stays up."""
-    from prefect.settings import PREFECT_API_URL
-
-    url = PREFECT_API_URL.value()
-    if not url:
-        raise CheckpointError("PREFECT_API_URL is not set: start a server (`prefect server start`) and export "
-                              "PREFECT_API_URL=http://127.0.0.1:4200/api; a temporary server would lose the events")
-    return url
 
 
 def with_env(value, env: dict, where: str):

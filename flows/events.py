@@ -51,6 +51,17 @@ def checkpoint_event(checkpoint: str, step: int | None = None, run: str | None =
     }
 
 
+def api_url() -> str:
+    """PREFECT_API_URL (environment or profile): events and deployments need a server that stays up."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        raise CheckpointError("PREFECT_API_URL is not set: start a server (`prefect server start`) and export "
+                              "PREFECT_API_URL=http://127.0.0.1:4200/api; a temporary server would lose the events")
+    return url
+
+
 def post_events(api_url: str, events: list[dict], retries: Retries | None = None, timeout_s: float = 10.0) -> None:
     """POST events to a Prefect API (`PREFECT_API_URL`), retrying connection errors and 5xx/429; anything
     else, or a server that never answers, is a one-line CheckpointError."""

@@ -38,16 +38,6 @@ def default_state_file(root: str) -> Path:
     return Path(PREFECT_HOME.value()).expanduser() / "ckptflow-watch" / f"{key}.json"
 
 
-def configured_api_url() -> str:
-    from prefect.settings import PREFECT_API_URL
-
-    url = PREFECT_API_URL.value()
-    if not url:
-        raise CheckpointError("PREFECT_API_URL is not set: the watcher posts events to a running Prefect server; "
-                              "set it, e.g. `prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api`")
-    return url
-
-
 class Watcher:
     """Polls `root`, posts one event per complete checkpoint to `api_url`, keeps its state in `state_file`."""
 

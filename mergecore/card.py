@@ -46,6 +46,8 @@ def _lora_rows(lora: dict | None) -> list[str]:
     rows = [f"| LoRA fused | W + (alpha/r)·B·A with r={lora['r']}, alpha={lora['alpha']}"
             f"{' (rsLoRA: alpha/sqrt(r))' if lora.get('use_rslora') else ''} into {', '.join(lora['target_modules'])} "
             f"(adapter {', '.join(lora['adapters'])}; {where}) |"]
+    if lora.get("base_model"):
+        rows.append(f"| LoRA base model | {lora['base_model']} (`--base-model`: the adapter came from a save_lora_only checkpoint) |")
     if lora.get("output") == "both":
         rows.append("| LoRA adapter | `lora_adapter/` (PEFT: adapter_config.json + adapter_model.safetensors) |")
     return rows

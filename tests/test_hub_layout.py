@@ -14,7 +14,7 @@ from safetensors import safe_open
 from ckptflow_testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
 from mergecore import compare_logits, merge_checkpoint, open_checkpoint
 from mergecore.formats.fsdp import load_rank_file
-from weights import load_folder
+from weights import assert_cast_of, load_folder
 
 
 @pytest.fixture(scope="session")
@@ -44,10 +44,7 @@ def test_moe_merges_to_save_pretrained_layout(moe, tmp_path):
 def test_moe_cast_keeps_hub_names_and_bf16_values(moe, tmp_path):
     out = tmp_path / "bf16"
     merge_checkpoint(str(moe.role_dir), out, dtype="bf16", max_shard_size="40KB")
-    weights, reference = load_folder(out), load_folder(moe.reference_dir)
-    assert sorted(weights) == sorted(reference)
-    for name, tensor in reference.items():
-        assert torch.equal(weights[name], tensor.to(torch.bfloat16)), name
+    assert_cast_of(out, moe.reference_dir, torch.bfloat16)
 
 
 def test_each_expert_is_one_slice_of_the_packed_tensor(moe):

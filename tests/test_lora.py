@@ -308,6 +308,7 @@ def test_lora_only_save_fuses_into_a_local_base_model(cli, lora_only, tmp_path):
                  "--base-model", lora_only.reference_dir / "base")
     assert result.exit_code == 0, result.output
     _check_fused(target, lora_only)
+    assert f"| LoRA base model | {lora_only.reference_dir / 'base'} " in (target / "README.md").read_text()
     own = torch.load(lora_only.reference_dir / LOGITS_FILE, weights_only=True)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     torch.testing.assert_close(_logits(model, own["input_ids"]), own["logits"], atol=1e-5, rtol=1e-5)

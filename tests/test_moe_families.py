@@ -23,7 +23,7 @@ from mergecore import CheckpointError, compare_logits, merge_checkpoint
 from mergecore.formats.fsdp import load_rank_file
 from mergecore.inspect import describe_checkpoint
 from mergecore.layout import check_against_config
-from weights import load_folder
+from weights import assert_cast_of, load_folder
 
 # family -> (an expert tensor of the Hub layout, a tensor only that family has, the config's expert-count field)
 FAMILIES = {
@@ -68,10 +68,7 @@ def test_bf16_cast_keeps_hub_names(family, tmp_path):
     arch, ckpt = family
     out = tmp_path / "bf16"
     merge_checkpoint(str(ckpt.role_dir), out, dtype="bf16", max_shard_size="40KB")
-    weights, reference = load_folder(out), load_folder(ckpt.reference_dir)
-    assert sorted(weights) == sorted(reference)
-    for name, tensor in reference.items():
-        assert torch.equal(weights[name], tensor.to(torch.bfloat16)), name
+    assert_cast_of(out, ckpt.reference_dir, torch.bfloat16)
 
 
 def test_inspect_groups_are_embed_layers_head(family):

@@ -19,7 +19,7 @@ import transformers
 from ckptflow_testing.demo_checkpoint import LOGITS_FILE, DemoSpec, write_demo_checkpoint
 from mergecore import compare_logits, merge_checkpoint
 from mergecore.formats.fsdp import load_rank_file
-from weights import load_folder
+from weights import assert_cast_of, load_folder
 
 FAMILIES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "chat_template.jinja",
@@ -81,10 +81,7 @@ def test_vlm_merges_to_save_pretrained_files(vlm, merged):
 def test_vlm_cast_to_bf16_keeps_the_names(vlm, tmp_path):
     out = tmp_path / "bf16"
     merge_checkpoint(str(vlm.role_dir), out, dtype="bf16", max_shard_size="100KB")
-    weights, reference = load_folder(out), load_folder(vlm.reference_dir)
-    assert sorted(weights) == sorted(reference)
-    for name, tensor in reference.items():
-        assert torch.equal(weights[name], tensor.to(torch.bfloat16)), name
+    assert_cast_of(out, vlm.reference_dir, torch.bfloat16)
 
 
 def test_merged_vlm_gives_the_trained_models_own_logits_on_text_and_image(vlm, merged):

@@ -14,3 +14,13 @@ def load_folder(folder: str | Path) -> dict:
         state.update(load_file(file))
     assert state, f"{folder}: no safetensors files"
     return state
+
+
+def assert_cast_of(folder: str | Path, reference_dir: str | Path, dtype) -> None:
+    """`folder` holds exactly the reference's tensors (names from save_pretrained), each cast to `dtype`."""
+    import torch
+
+    weights, reference = load_folder(folder), load_folder(reference_dir)
+    assert sorted(weights) == sorted(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(weights[name], tensor.to(dtype)), name
