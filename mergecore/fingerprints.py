@@ -29,7 +29,7 @@ OUTPUT_CODE = (
     "writer.py", "merge.py", "output.py", "storage.py", "hub_layout.py", "lora.py",
 )
 NOT_OUTPUT_CODE = (
-    "__init__.py", "card.py", "errors.py", "fingerprints.py", "hub.py", "inspect.py", "nonfinite.py", "publish.py",
+    "__init__.py", "card.py", "completeness.py", "errors.py", "fingerprints.py", "hub.py", "inspect.py", "nonfinite.py", "publish.py",
     "retries.py", "tensorio.py", "verify.py",
 )
 
