@@ -1,12 +1,15 @@
 """Benchmark merging a Megatron dist_ckpt against `dcp_to_torch_save` + a full load, in one run.
 
     python bench/bench_megatron.py      # writes a ~2.1 GB fp32 dist_ckpt under bench/_work once
+    python bench/bench_megatron.py --vs-fsdp   # also: the FSDP merge of the same model (bench_merge's checkpoint)
 
 The checkpoint is the bench's Qwen2-like model (hidden 2048, intermediate 5632, 10 layers, 16/4 heads,
 vocab 32000), random weights, as Megatron's global tensors (fused QKV per query group, [gate; up],
 stacked layer axis) saved by torch DCP in verl 0.9.1's layout, like megatron-core's torch_dist backend
 writes (the tests check the reader on folders saved by megatron-core itself). Whole processes, start-up
 included, medians of --repeat; memory is the peak anonymous RSS, total RSS beside it.
+With --vs-fsdp the same merge of bench_merge.py's 10-layer FSDP2 checkpoint (the same model, W=4) runs too,
+and the ratio Megatron / FSDP is printed (goal <= 1.3x).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=HERE / "_work")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--vs-fsdp", action="store_true", help="also merge bench_merge's FSDP checkpoint of this model")
     args = parser.parse_args()
     role = checkpoint(args.work)
     out = args.work / "mcore-out"
@@ -81,6 +85,29 @@ def main() -> None:
                                                  str(out)], out, args.repeat, role)
     print(f"\n  speed-up {base['seconds'] / ours['seconds']:.2f}x; peak private memory "
           f"{ours['anon_mib'] / base['anon_mib']:.3f}x; peak RSS {ours['rss_mib'] / base['rss_mib']:.3f}x")
+    if args.vs_fsdp:
+        import bench_merge
+
+        fsdp_role = bench_merge.checkpoint(args.work, CONFIG["num_hidden_layers"])
+        fsdp_bytes = sum(f.stat().st_size for f in fsdp_role.glob("model_*.pt")) / 1e9
+        fsdp = run_fsdp(fsdp_role, out, args.repeat)
+        print(f"\n  FSDP merge of the same model ({fsdp_bytes:.2f} GB, W=4): Megatron / FSDP "
+              f"{ours['seconds'] / fsdp['seconds']:.2f}x time (goal <= 1.3x), {ours['anon_mib'] / fsdp['anon_mib']:.2f}x "
+              "peak private memory")
+
+
+def run_fsdp(role: Path, out: Path, repeat: int) -> dict:
+    samples = []
+    for _ in range(repeat):
+        shutil.rmtree(out, ignore_errors=True)
+        subprocess.run(f"sync && cat {role}/model_*.pt > /dev/null", shell=True, check=True)
+        samples.append(measure([PYTHON, "-m", "flows.cli", "merge", "--backend", "fsdp", "--local_dir", str(role),
+                                "--target_dir", str(out), "--dtype", "bf16"]))
+    shutil.rmtree(out, ignore_errors=True)
+    median = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+    print(f"  {'ckptflow merge, FSDP (bf16, verified)':<34} {median['seconds']:6.2f} s   anon {median['anon_mib']:6.0f} MiB   "
+          f"rss {median['rss_mib']:6.0f} MiB", flush=True)
+    return median
 
 
 if __name__ == "__main__":

@@ -1,19 +1,39 @@
 """mergecore: turn distributed training checkpoints into verified Hugging Face folders.
 
-Pure library (torch, safetensors, transformers, fsspec); the Prefect pipeline wraps it.
+Pure library (numpy, safetensors, fsspec; torch and transformers only where a format or check needs
+them); the Prefect pipeline wraps it. Names are imported on first use, so `from mergecore import
+CheckpointError` (the CLI's `notify`, `watch`) loads nothing but the errors.
 
 >>> from mergecore import merge_checkpoint
 >>> merge_checkpoint("ckpts/global_step_100/actor", "out/model", dtype="bf16")  # doctest: +SKIP
 """
 
+from __future__ import annotations
+
+import importlib
+
 from .errors import CheckpointError, VerificationError
-from .formats import open_checkpoint
-from .merge import Prepared, finalize, merge_checkpoint, merge_group, prepare, staging_folder
-from .plan import MergePlan
-from .verify import compare_logits, compare_with_reference, verify_manifest, verify_round_trip
+
+_WHERE = {
+    "open_checkpoint": "formats", "MergePlan": "plan",
+    **{name: "merge" for name in ("Prepared", "finalize", "merge_checkpoint", "merge_group", "prepare", "staging_folder")},
+    **{name: "verify" for name in ("compare_logits", "compare_with_reference", "verify_manifest", "verify_round_trip")},
+}
 
 __all__ = [
     "CheckpointError", "VerificationError", "MergePlan", "Prepared", "open_checkpoint", "prepare",
     "merge_group", "finalize", "merge_checkpoint", "staging_folder", "verify_round_trip",
     "verify_manifest", "compare_with_reference", "compare_logits",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'mergecore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,24 +1,28 @@
 """Arrays as the merge sees them: numpy arrays, dtypes named the torch way ("bfloat16").
 
-The FSDP path never imports torch (its import alone costs ~2 s per process); bfloat16 comes
-from ml_dtypes. Readers that work in torch (Megatron's transforms) hand over torch tensors,
-which `to_numpy` turns into views without copying.
+The merge path imports neither torch (~2 s per process) nor ml_dtypes (0.7.0: ~1 s): a bfloat16
+array is held as its raw bits, a `uint16` array (uint16 is no checkpoint dtype we read, so the
+bits are unambiguous), and `cast` rounds to bfloat16 and float16 in plain numpy, bit for bit as
+torch does. Arithmetic on bfloat16 goes through `cast(array, "float32")`, which is exact.
+Readers that work in torch (Megatron's transforms) hand over torch tensors, which `to_numpy`
+turns into views without copying.
 
->>> to_numpy(np.ones(2, np.float32)).astype(numpy_dtype("bfloat16")).dtype.name
-'bfloat16'
+>>> cast(np.array([1.0, 1.00390625], np.float32), "bfloat16")  # the tie rounds to even
+array([16256, 16256], dtype=uint16)
+>>> dtype_of(_), cast(_, "float32")
+('bfloat16', array([1., 1.], dtype=float32))
 """
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
-# dtype name (torch spelling) -> (numpy dtype, safetensors name)
+# dtype name (torch spelling) -> (numpy dtype holding it, safetensors name)
 _DTYPES = {
     "float64": (np.dtype(np.float64), "F64"),
     "float32": (np.dtype(np.float32), "F32"),
     "float16": (np.dtype(np.float16), "F16"),
-    "bfloat16": (np.dtype(ml_dtypes.bfloat16), "BF16"),
+    "bfloat16": (np.dtype(np.uint16), "BF16"),  # the bits
     "int64": (np.dtype(np.int64), "I64"),
     "int32": (np.dtype(np.int32), "I32"),
     "int16": (np.dtype(np.int16), "I16"),
@@ -33,7 +37,7 @@ _SAME_SIZE_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def numpy_dtype(name: str) -> np.dtype:
-    """`"bfloat16"` -> the numpy dtype that holds it."""
+    """`"bfloat16"` -> the numpy dtype that holds it (`uint16`: its bits)."""
     try:
         return _DTYPES[name][0]
     except KeyError:
@@ -58,19 +62,21 @@ def element_size(name: str) -> int:
 def dtype_of(array) -> str:
     """The torch-style dtype name of a numpy array or torch tensor."""
     if isinstance(array, np.ndarray):
-        return _BY_NUMPY[array.dtype]
+        return _BY_NUMPY[to_numpy(array).dtype]
     return str(array.dtype).removeprefix("torch.")
 
 
 def to_numpy(array) -> np.ndarray:
-    """A numpy view of a numpy array or a CPU torch tensor (bfloat16 included), without copying."""
+    """A numpy view of a numpy array or a CPU torch tensor, without copying; bfloat16 (torch's, or
+    an ml_dtypes array a caller made) becomes its uint16 bits."""
     if isinstance(array, np.ndarray):
-        return array
+        # ml_dtypes' bfloat16, recognised by name so that ml_dtypes is never imported here
+        return array.view(np.uint16) if array.dtype.name == "bfloat16" else array
     import torch
 
     tensor = array.detach().cpu()
     if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return tensor.view(torch.int16).numpy().view(np.uint16)
     return tensor.numpy()
 
 
@@ -80,16 +86,99 @@ def to_torch(array):
 
     if not isinstance(array, np.ndarray):
         return array
+    array = to_numpy(array)
     if not array.flags.writeable:
         array = array.copy()
-    if array.dtype == ml_dtypes.bfloat16:
+    if array.dtype == np.uint16:
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
 
 
+_CAST_BLOCK = 1 << 18  # elements per step: the float32 scratch of a step stays in L2
+
+
 def cast(array, name: str) -> np.ndarray:
-    """`array` in dtype `name` (round to nearest even, like torch); no copy when it already is."""
-    return to_numpy(array).astype(numpy_dtype(name), copy=False)
+    """`array` in dtype `name`, rounded to nearest even as torch rounds; no copy when it already is."""
+    source = to_numpy(array)
+    have = _BY_NUMPY.get(source.dtype)
+    if have == name:
+        return source
+    if have is None:  # a dtype we never write (uint32...): numpy's own conversion
+        return source.astype(numpy_dtype(name))
+    out = np.empty(source.shape, numpy_dtype(name))
+    cast_into(out, source)
+    return out
+
+
+def cast_into(dest: np.ndarray, array) -> None:
+    """`dest[...] = array`, converted to `dest`'s dtype as `cast` converts, a block of rows at a time
+    (the scratch space is a few MB whatever the tensor's size; `dest` may be a strided view)."""
+    source = to_numpy(array)
+    have, name = _BY_NUMPY.get(source.dtype), _BY_NUMPY.get(dest.dtype)
+    if source.shape != dest.shape:
+        raise ValueError(f"cannot put a {source.shape} array into a {dest.shape} one")
+    if have == name or have is None or name is None:
+        np.copyto(dest, source, casting="unsafe")
+        return
+    if source.ndim == 0:
+        source, dest = source.reshape(1), dest.reshape(1)
+    rows = max(1, _CAST_BLOCK // max(1, source[:1].size))
+    for start in range(0, source.shape[0], rows):
+        block = np.ascontiguousarray(source[start:start + rows]).reshape(-1)
+        target = dest[start:start + rows]
+        if target.flags.c_contiguous:
+            _convert(block, have, target.reshape(-1), name)
+        else:
+            converted = np.empty(block.size, dest.dtype)
+            _convert(block, have, converted, name)
+            target[...] = converted.reshape(target.shape)
+
+
+def _convert(block: np.ndarray, have: str, dest: np.ndarray, name: str) -> None:
+    """`block` (contiguous, dtype `have`) converted into `dest` (contiguous, dtype `name`)."""
+    if have == "bfloat16":
+        block = _widen_bfloat16(block)
+    if name == "bfloat16":
+        # torch's vectorised float32/float64 path writes 0xFFFF for NaN, its float16 path (scalar) 0x7FC0
+        nan_bits = 0x7FC0 if have == "float16" else 0xFFFF
+        _round_to_bfloat16(block if block.dtype == np.float32 else block.astype(np.float32), dest, nan_bits)
+    elif name == "float16":
+        with np.errstate(over="ignore"):  # beyond 65504 is Inf, as in torch
+            np.copyto(dest, block, casting="unsafe")
+        _quiet_nans_to_float16(block, dest)
+    else:
+        np.copyto(dest, block, casting="unsafe")
+
+
+def _widen_bfloat16(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits -> float32 (exact: bfloat16 is float32's upper half)."""
+    return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
+
+
+def _round_to_bfloat16(values: np.ndarray, dest: np.ndarray, nan_bits: int = 0xFFFF) -> None:
+    """float32 -> bfloat16 bits, round to nearest even on the float32 bits (subnormals, Inf and
+    overflow to Inf come out right by themselves); every NaN becomes the quiet NaN `nan_bits`."""
+    bits = values.view(np.uint32)
+    rounded = np.right_shift(bits, 16)
+    np.bitwise_and(rounded, 1, out=rounded)
+    rounded += 0x7FFF
+    rounded += bits  # no overflow: only NaNs lie above -Inf's 0xFF800000
+    np.right_shift(rounded, 16, out=dest, casting="unsafe")
+    nan = np.isnan(values)
+    if nan.any():
+        dest[nan] = nan_bits
+
+
+def _quiet_nans_to_float16(values: np.ndarray, dest: np.ndarray) -> None:
+    """numpy keeps a signalling NaN signalling; torch (like the F16C instruction) sets the quiet bit
+    and keeps the sign and the payload's top bits."""
+    nan = np.isnan(values)
+    if not nan.any():
+        return
+    if values.dtype != np.float32:
+        values = values.astype(np.float32)
+    bits = values.view(np.uint32)[nan]
+    dest.view(np.uint16)[nan] = ((bits >> 16) & 0x8000) | 0x7E00 | ((bits >> 13) & 0x3FF)
 
 
 def bitwise_equal(a, b) -> bool:
@@ -97,7 +186,7 @@ def bitwise_equal(a, b) -> bool:
     a, b = to_numpy(a), to_numpy(b)
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    if a.dtype.kind in "fV":  # floats, and ml_dtypes' bfloat16 (kind V): compare the bits
+    if a.dtype.kind == "f":  # compare the bits: NaN != NaN as floats
         bits = _SAME_SIZE_UINT[a.dtype.itemsize]
         return bool(np.array_equal(a.view(bits), b.view(bits)))
     return bool(np.array_equal(a, b))
@@ -140,7 +229,7 @@ def _count_nonfinite(array: np.ndarray) -> dict[str, int]:
     flat = array.reshape(-1)
     step = _SCAN_BYTES // 2
     for start in range(0, flat.size, step):
-        values = flat[start:start + step].astype(np.float64)  # exact for every float dtype we write
+        values = cast(flat[start:start + step], "float64")  # exact for every float dtype we write
         counts["nan"] += int(np.count_nonzero(np.isnan(values)))
         counts["+inf"] += int(np.count_nonzero(np.isposinf(values)))
         counts["-inf"] += int(np.count_nonzero(np.isneginf(values)))

@@ -293,7 +293,7 @@ class LoraFusedSource(CheckpointSource):
     def check_round_trip(self, name: str, merged) -> int:
         """Plain tensors: every piece re-found bit for bit. Fused ones: the base, A and B pieces (each read
         once, from its own rank file) must rebuild the output bit for bit."""
-        from .arrays import bitwise_equal, cast, dtype_of, to_numpy
+        from .arrays import bitwise_equal, cast, cast_into, dtype_of, to_numpy
 
         pair = self._pairs.get(name)
         if pair is None:
@@ -307,7 +307,7 @@ class LoraFusedSource(CheckpointSource):
             pieces = list(holder.pieces(source_name))
             for piece in pieces:
                 if piece.primary:
-                    whole[piece.index] = to_numpy(piece.tensor)
+                    cast_into(whole[piece.index], piece.tensor)
             for piece in pieces:  # HSDP replicas must hold the same values as the piece they copy
                 if not piece.primary and not bitwise_equal(cast(piece.tensor, "float32"), whole[piece.index]):
                     raise VerificationError(f"{piece.source}: tensor {source_name} differs from its replica; "
@@ -364,11 +364,11 @@ def write_adapter_files(inner: CheckpointSource, hyper: LoraHyperparameters, fol
     import json
     from pathlib import Path
 
-    from safetensors import safe_open
     from safetensors.numpy import save_file
 
-    from .arrays import bitwise_equal, cast, to_numpy
+    from .arrays import bitwise_equal, cast, dtype_of
     from .publish import sync_folder
+    from .tensorio import SafetensorsFile
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -376,18 +376,18 @@ def write_adapter_files(inner: CheckpointSource, hyper: LoraHyperparameters, fol
     if len(hyper.adapters) != 1:
         raise CheckpointError(f"{inner.location}: adapters {list(hyper.adapters)}; writing more than one adapter is not supported")
     saved = {peft_saved_name(n, p.adapter): n for p in pairs.values() for n in (p.a, p.b)}
-    save_file({out: np.ascontiguousarray(inner.read(n)) for out, n in saved.items()}, str(folder / ADAPTER_WEIGHTS),
-              metadata={"format": "pt"})
+    save_file({out: _savable(np.ascontiguousarray(inner.read(n))) for out, n in saved.items()},
+              str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (folder / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(hyper, base_model), indent=2) + "\n")
     pieces = 0
-    with safe_open(str(folder / ADAPTER_WEIGHTS), "np") as written:
-        for out, n in saved.items():
-            value = written.get_tensor(out)
-            for piece in inner.pieces(n):
-                if not bitwise_equal(value[piece.index], cast(to_numpy(piece.tensor), str(value.dtype))):
-                    raise VerificationError(f"{piece.source}: adapter tensor {n} differs from {out} as written; "
-                                            "do not use it (please report this)")
-                pieces += 1
+    written = SafetensorsFile(folder / ADAPTER_WEIGHTS)
+    for out, n in saved.items():
+        value = written.get_tensor(out)
+        for piece in inner.pieces(n):
+            if not bitwise_equal(value[piece.index], cast(piece.tensor, dtype_of(value))):
+                raise VerificationError(f"{piece.source}: adapter tensor {n} differs from {out} as written; "
+                                        "do not use it (please report this)")
+            pieces += 1
     sync_folder(folder)
     return {"tensors": len(saved), "pieces": pieces}
 
@@ -538,3 +538,15 @@ class BaseModelSource(CheckpointSource):
 
     def describe(self) -> dict:
         return {"format": self.format_name, "location": str(self.folder), "base_model": self.spec}
+
+
+def _savable(array: np.ndarray) -> np.ndarray:
+    """`array` as safetensors.numpy names it: our bfloat16 arrays are uint16 bits, which it would
+    save as U16, so they become ml_dtypes' bfloat16 (imported only here, off the merge path)."""
+    from .arrays import dtype_of
+
+    if dtype_of(array) != "bfloat16":
+        return array
+    import ml_dtypes
+
+    return array.view(ml_dtypes.bfloat16)

@@ -33,7 +33,9 @@ class SafetensorsFile:
     (safetensors' own numpy loader copies each tensor; verification reads every byte, so views pay.)
 
     >>> SafetensorsFile("model-00001-of-00002.safetensors").get_tensor("model.norm.weight").dtype  # doctest: +SKIP
-    dtype(bfloat16)
+    dtype('uint16')
+
+    (a BF16 tensor comes back as its bits: `arrays.dtype_of` names it "bfloat16", `arrays.cast` converts it)
 
     The mapping closes when the last view of it goes.
     """

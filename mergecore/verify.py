@@ -83,7 +83,7 @@ def compare_with_reference(folder: Path, reference: Path, atol: float = 0.0, rto
             ok = bitwise_equal(mine, ref)
             diff = 0.0
             if not ok and mine.size:
-                a, b = mine.astype(np.float64), ref.astype(np.float64)
+                a, b = cast(mine, "float64"), cast(ref, "float64")
                 diff = float(np.abs(a - b).max())
                 ok = bool(np.allclose(a, b, atol=atol, rtol=rtol))
             worst = max(worst, diff)

@@ -124,6 +124,31 @@ def test_both_layouts_are_found(dist):
         open_checkpoint(str(new.role_dir), backend="megatron_legacy")  # the legacy reader does not claim it
 
 
+def test_metadata_is_read_without_torch(dist):
+    """`.metadata` goes through the record allow-list: a process that cannot import torch reads it, and
+    finds what torch's own reader finds."""
+    import subprocess
+    import sys
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = dist_dir(dist("qwen2"))
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import io, json\n"
+            "from mergecore.formats.untrusted import AllowListUnpickler, DCP_METADATA\n"
+            f"data = open({str(folder / '.metadata')!r}, 'rb').read()\n"
+            "md = AllowListUnpickler(io.BytesIO(data), DCP_METADATA, file_bytes=len(data)).load()\n"
+            "print(json.dumps({k: [list(v.size), v.properties.dtype, [[list(c.offsets), list(c.sizes)] for c in v.chunks]]\n"
+            "                  for k, v in md.state_dict_metadata.items() if hasattr(v, 'chunks')}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout
+    expected = FileSystemReader(str(folder)).read_metadata()  # plain pickle: fine for our own fixture
+    assert json.loads(out) == {
+        key: [list(md.size), str(md.properties.dtype).removeprefix("torch."),
+              [[list(c.offsets), list(c.sizes)] for c in md.chunks]]
+        for key, md in expected.state_dict_metadata.items() if hasattr(md, "chunks")}
+
+
 def test_names_shapes_order_and_describe(dist):
     source = open_checkpoint(str(dist("qwen3-per-layer-old").role_dir))
     infos = source.tensors()

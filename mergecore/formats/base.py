@@ -103,13 +103,13 @@ class CheckpointSource(ABC):
         """
         import numpy as np
 
-        from ..arrays import numpy_dtype, to_numpy
+        from ..arrays import cast_into, numpy_dtype
 
         info = self.tensors()[name]
         out = np.empty(info.shape, dtype=numpy_dtype(dtype or info.dtype))
         for piece in self.pieces(name):
             if piece.primary:
-                out[piece.index] = to_numpy(piece.tensor)
+                cast_into(out[piece.index], piece.tensor)
         return out
 
 

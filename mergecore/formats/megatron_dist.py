@@ -45,13 +45,13 @@ from ..errors import CheckpointError, VerificationError
 from ..megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
 from ..storage import Location
 from ..tensorio import read_json
-from ..arrays import bitwise_equal, numpy_dtype, to_torch
+from ..arrays import bitwise_equal, cast, dtype_of, element_size, numpy_dtype, to_numpy, to_torch
 from ..transforms import Transform, VocabParallel, make_transform
 from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from . import torchfile
 from .detect import DIST_METADATA_FILE, dist_ckpt_dir
 from .megatron_checks import check_layers, check_moe
-from .untrusted import AllowListUnpickler, Refused, check_plain_fields, dcp_metadata
+from .untrusted import DCP_METADATA, DCP_RECORDS, AllowListUnpickler, Refused, check_plain_fields
 
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "encoder.", "mtp.")
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
@@ -64,10 +64,10 @@ _EXPERTS = re.compile(r"^mlp\.experts\.(?:experts\.|local_experts\.)?(linear_fc[
 # ---- untrusted pickles -------------------------------------------------------------------------
 
 def load_dcp_metadata(location: Location):
-    """The DCP `Metadata` of a `.metadata` file, through the allow-list (`untrusted.dcp_metadata`), with
-    its storage index checked (`_check_storage_index`); one-line errors."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
+    """The DCP `Metadata` of a `.metadata` file as inert records (`untrusted.DCP_METADATA`: torch is not
+    imported; dtypes are names, sizes tuples), with its storage index checked (`_check_storage_index`);
+    one-line errors."""
+    Metadata = DCP_RECORDS["Metadata"]
     if not location.exists():
         raise CheckpointError(
             f"{location}: missing; the dist_ckpt save was incomplete (every rank writes its .distcp file, then rank 0 "
@@ -76,7 +76,7 @@ def load_dcp_metadata(location: Location):
     try:
         with location.open("rb") as f:
             data = f.read()
-        metadata = AllowListUnpickler(io.BytesIO(data), dcp_metadata(), file_bytes=len(data),
+        metadata = AllowListUnpickler(io.BytesIO(data), DCP_METADATA, file_bytes=len(data),
                                       what="a dist_ckpt .metadata").load()
         check_plain_fields(metadata, "a dist_ckpt .metadata")
     except Refused as err:
@@ -101,8 +101,8 @@ def _check_storage_index(metadata, location: Location) -> None:
     """Every storage item names a file inside the dist_ckpt folder and a byte range inside that file;
     every tensor's chunks lie inside it, each within its item's bytes, and hold all its elements.
     So no declared size exceeds what the data files really hold, and nothing outside the folder is read."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+    _StorageInfo, MetadataIndex = DCP_RECORDS["_StorageInfo"], DCP_RECORDS["MetadataIndex"]
+    TensorStorageMetadata = DCP_RECORDS["TensorStorageMetadata"]
 
     def refuse(what: str):
         raise CheckpointError(f"{location}: {what}; the metadata is damaged or was tampered with: copy the dist_ckpt "
@@ -131,7 +131,7 @@ def _check_storage_index(metadata, location: Location) -> None:
         if not isinstance(md, TensorStorageMetadata):
             continue
         shape = counts(md.size, f"{key}: size")
-        itemsize = getattr(md.properties.dtype, "itemsize", 1)
+        itemsize = _itemsize(md.properties.dtype)
         held = 0
         for chunk in md.chunks:
             offsets, sizes = counts(chunk.offsets, f"{key}: chunk offset"), counts(chunk.sizes, f"{key}: chunk size")
@@ -178,7 +178,7 @@ class Slice:
     index: tuple[int, ...]
     legacy_key: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: str  # "bfloat16"
     position: int  # the key's position in the metadata (save order)
 
 
@@ -236,14 +236,12 @@ class MegatronDistCheckpoint(CheckpointSource):
     @cached_property
     def _tensor_keys(self) -> dict[str, object]:
         """Model tensor keys of the metadata (extra state, bytes and non-model keys dropped)."""
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         keys = {}
         for key, md in self.metadata.state_dict_metadata.items():
             name = _model_key(key)
             if not name.startswith(MODEL_PREFIXES) or "._extra_state" in name or SKIPPED.search(name):
                 continue
-            if not isinstance(md, TensorStorageMetadata):
+            if not isinstance(md, DCP_RECORDS["TensorStorageMetadata"]):
                 continue  # ShardedObjects (bytes)
             keys[key] = md
         return keys
@@ -333,10 +331,16 @@ class MegatronDistCheckpoint(CheckpointSource):
 
         DCP stores each chunk as a torch.save archive at a byte range of a .distcp file;
         torch's own reader loads whole chunks, which for a stacked `[L, ...]` key means every layer for
-        each layer. We map the chunk (torchfile: numpy views of the mmapped file) and copy out the box.
+        each layer. We map the chunk (torchfile: numpy views of the mmapped file) and copy out the box
+        (a copy the caller owns: the merge may convert or change it in place).
         """
+        return to_torch(np.array(self._slice_array(s)))
+
+    def _slice_array(self, s: Slice) -> np.ndarray:
+        """`key[index]` as numpy: a view of the mapped chunk when one chunk holds it (a stacked key's layer
+        always is), else copied together from the chunks that overlap it."""
         box_offsets, box_sizes = self._box(s)
-        dest = np.empty(box_sizes, dtype=numpy_dtype(str(s.dtype).removeprefix("torch.")))
+        dest = None
         for chunk_offsets, chunk_sizes, info in self._chunk_files.get(s.key, []):
             low = [max(b, c) for b, c in zip(box_offsets, chunk_offsets)]
             high = [min(b + n, c + m) for b, n, c, m in zip(box_offsets, box_sizes, chunk_offsets, chunk_sizes)]
@@ -348,9 +352,17 @@ class MegatronDistCheckpoint(CheckpointSource):
                     f"{list(info.transform_descriptors)} (compression?), which ckptflow does not read; save the "
                     "checkpoint without storage extensions")
             chunk = self._chunk_array(info, chunk_sizes)
+            inside = tuple(slice(lo - c, hi - c) for lo, hi, c in zip(low, high, chunk_offsets))
+            if dest is None and [hi - lo for lo, hi in zip(low, high)] == list(box_sizes):
+                return chunk[inside].reshape(s.shape)
+            if dest is None:
+                dest = np.empty(box_sizes, dtype=numpy_dtype(s.dtype))
             dest[tuple(slice(lo - b, hi - b) for lo, hi, b in zip(low, high, box_offsets))] = \
-                chunk[tuple(slice(lo - c, hi - c) for lo, hi, c in zip(low, high, chunk_offsets))]
-        return to_torch(dest).reshape(s.shape)
+                chunk[inside]
+        if dest is None:
+            raise CheckpointError(f"{self.dist_dir.join(DIST_METADATA_FILE)}: no chunk of {s.key} holds {s.index}; "
+                                  "the metadata is damaged: copy the dist_ckpt folder again")
+        return dest.reshape(s.shape)
 
     def _box(self, s: Slice) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(offsets, sizes) of `key[index]` within the key's global tensor."""
@@ -359,28 +371,28 @@ class MegatronDistCheckpoint(CheckpointSource):
         return (*s.index, *([0] * (len(full) - lead))), (*([1] * lead), *full[lead:])
 
     def _chunk_array(self, info, sizes: tuple[int, ...]) -> np.ndarray:
-        """One stored chunk (a torch.save archive, DCP's default serialization) as a read-only numpy
-        view of its mmapped .distcp file."""
+        """One stored chunk (a torch.save archive, DCP's default serialization) as a numpy view of its
+        mmapped .distcp file, mapped copy-on-write so torch can share its pages: nothing here writes to it,
+        and a write would only make private pages, never touch the file."""
         key = (info.relative_path, info.offset)
         if key not in self._chunks:
             location = self.dist_dir.join(info.relative_path)
             shown = f"{location} (bytes {info.offset}+{info.length})"
             try:
-                array = torchfile.load(location.local_file(), shown, info.offset, info.length)
+                array = torchfile.load(location.local_file(), shown, info.offset, info.length, copy_on_write=True)
             except OSError as err:
                 raise CheckpointError(f"{shown}: cannot be read ({err}); the file is missing or truncated: copy the "
                                       "whole dist_ckpt folder again") from None
             if not isinstance(array, np.ndarray) or tuple(array.shape) != tuple(sizes):
                 raise CheckpointError(f"{shown}: holds {getattr(array, 'shape', type(array).__name__)}, not the "
                                       f"{tuple(sizes)} chunk .metadata describes; the folder mixes two saves")
+            array.flags.writeable = True  # its copy-on-write mapping: torch.from_numpy shares it, uncopied
             self._chunks[key] = array
         return self._chunks[key]
 
     @cached_property
     def _chunk_files(self) -> dict[str, list[tuple[tuple, tuple, object]]]:
         """key -> [(chunk offsets, chunk sizes, its storage info: relative path, byte offset and length)]."""
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
         paths = {(index.fqn, tuple(index.offset or ())): info for index, info in self.metadata.storage_data.items()}
         out: dict[str, list] = {}
         for key, md in self._tensor_keys.items():
@@ -390,7 +402,7 @@ class MegatronDistCheckpoint(CheckpointSource):
                 if info is None:
                     raise CheckpointError(
                         f"{self.dist_dir.join(DIST_METADATA_FILE)}: {key} chunk at {offsets} has no storage entry; the "
-                        f"metadata is damaged ({MetadataIndex.__name__} missing)"
+                        "metadata is damaged (MetadataIndex missing)"
                     )
                 out.setdefault(key, []).append((offsets, tuple(int(x) for x in chunk.sizes), info))
         return out
@@ -415,7 +427,7 @@ class MegatronDistCheckpoint(CheckpointSource):
                 raise CheckpointError(f"{self.dist_dir.join(DIST_METADATA_FILE)}: {s.key}: {err}") from None
             where = s.key + (f"[{', '.join(map(str, s.index))}]" if s.index else "")
             layout = f"{entry.transform!r} (dist_ckpt global tensor): {where}"
-            infos[name] = TensorInfo(name, tuple(shape), str(s.dtype).removeprefix("torch."), layout)
+            infos[name] = TensorInfo(name, tuple(shape), s.dtype, layout)
         return infos
 
     def tensors(self) -> dict[str, TensorInfo]:
@@ -427,14 +439,18 @@ class MegatronDistCheckpoint(CheckpointSource):
         return (value.to(getattr(torch, dtype)) if dtype is not None else value).contiguous()
 
     def check_round_trip(self, name: str, merged) -> int:
-        """Apply the inverse transform (TP=1) to `merged` and compare with the saved slice of the global
-        Megatron tensor (its `part` rows, vocabulary padding excluded), bit for bit in `merged.dtype`."""
-        merged = to_torch(merged)
+        """Compare `merged` with the saved slice of the global Megatron tensor (its `part` rows, vocabulary
+        padding excluded), bit for bit in `merged`'s dtype.
+
+        dist_ckpt holds TP=1 global tensors, so the inverse transform at TP=1 is the identity on the part
+        (VocabParallel pads and trims back the same rows): `merged`, a read-only view of the output file,
+        is compared as it is, never copied; only the saved part is converted, block by block.
+        """
+        merged = to_numpy(merged)
         entry = self._entries[name]
         transform = entry.transform
-        expected = transform.trim(transform.scatter(merged, 1, entry.part)[0], 0, 1)
-        saved = transform.trim(transform.extract(self.read_slice(entry.slice), entry.part).to(merged.dtype), 0, 1)
-        if not bitwise_equal(expected, saved):
+        saved = to_numpy(transform.trim(transform.extract(to_torch(self._slice_array(entry.slice)), entry.part), 0, 1))
+        if not bitwise_equal(merged, cast(saved, dtype_of(merged))):
             what = f" ({entry.part} part)" if entry.part else ""
             where = f"[{', '.join(map(str, entry.slice.index))}]" if entry.slice.index else ""
             files = ", ".join(str(f) for f in self._files_for(entry.slice))
@@ -544,6 +560,14 @@ class MegatronDistCheckpoint(CheckpointSource):
             "files": [f"{self.dist_dir.name}/{f}" for f in files],
             "custom_mapping": self.custom_mapping,
         }
+
+
+def _itemsize(dtype) -> int:
+    """Bytes per element of a dtype name; 1 for dtypes we never read (their chunks are never loaded)."""
+    try:
+        return element_size(str(dtype))
+    except ValueError:
+        return 1
 
 
 def _model_key(key: str) -> str:

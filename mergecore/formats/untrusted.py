@@ -41,7 +41,8 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-__all__ = ["AllowListUnpickler", "Record", "Refused", "Resolver", "TORCH_FILE", "dcp_metadata", "megatron_file"]
+__all__ = ["AllowListUnpickler", "DCP_METADATA", "DCP_RECORDS", "Record", "Refused", "Resolver", "TORCH_FILE", "dcp_metadata",
+           "megatron_file"]
 
 
 class Refused(pickle.UnpicklingError):
@@ -511,3 +512,75 @@ def check_plain_fields(root, what: str) -> None:
                 if not (isinstance(key, str) and key.isidentifier() and not key.startswith("__")):
                     raise Refused(f"{type(obj).__name__} in {what} has a field named {str(key)[:40]!r}")
                 todo.append(value)
+
+
+# ---- DCP .metadata as records (no torch import) ------------------------------------------------
+
+class TensorPropertiesRecord(Record):
+    """DCP `TensorProperties`; torch pickles it as the tuple (dtype, layout, requires_grad, memory format,
+    pin_memory), older versions as fields. `dtype` is a name ("bfloat16")."""
+
+    @property
+    def dtype(self) -> str:
+        return self.state[0] if isinstance(getattr(self, "state", None), tuple) and self.state else self.__dict__.get("dtype")
+
+
+def _dcp_record(name: str, **defaults) -> type:
+    """A record class for a DCP dataclass; `defaults` are the fields torch leaves out when they are None."""
+    return type(name, (Record,), {"__module__": "dcp", **defaults})
+
+
+# The classes megatron_dist checks a loaded `.metadata` against, by their torch names.
+DCP_RECORDS: dict[str, type] = {
+    "Metadata": _dcp_record("Metadata", planner_data=None, storage_meta=None, version=None),
+    "TensorStorageMetadata": _dcp_record("TensorStorageMetadata"),
+    "BytesStorageMetadata": _dcp_record("BytesStorageMetadata"),
+    "ChunkStorageMetadata": _dcp_record("ChunkStorageMetadata"),
+    "TensorProperties": TensorPropertiesRecord,
+    "MetadataIndex": _dcp_record("MetadataIndex", offset=None, index=None),
+    "StorageMeta": _dcp_record("StorageMeta"),
+    "_StorageInfo": _dcp_record("_StorageInfo", transform_descriptors=None),
+}
+# every torch dtype a DCP save may name, as its name
+_DCP_DTYPE_NAMES = TORCH_DTYPES + ("uint16", "uint32", "uint64", "complex32", "complex64", "complex128", "float8_e4m3fn",
+                                   "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "qint8",
+                                   "quint8", "qint32", "half", "float", "double", "long", "int", "short", "cfloat")
+
+
+def _dcp_size(dims=()) -> tuple[int, ...]:
+    dims = tuple(dims)
+    if not all(type(d) is int and 0 <= d < 2 ** 63 for d in dims):
+        raise Refused(f"torch.Size {dims} has a negative or non-integer size")
+    return dims  # bounded by the data files' sizes once loaded: see megatron_dist
+
+
+def _dcp_metadata_records() -> dict[tuple[str, str], object]:
+    import pathlib
+
+    allowed: dict[tuple[str, str], object] = {
+        **{("torch.distributed.checkpoint.metadata", name): DCP_RECORDS[name]
+           for name in DCP_RECORDS if name != "_StorageInfo"},
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): inert()
+        .make(None, "torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): DCP_RECORDS["_StorageInfo"],
+        # megatron-core keeps its cached save plan in `planner_data`: plain dataclasses and enums
+        **{("torch.distributed.checkpoint.planner", name): _dcp_record(name)
+           for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")},
+        ("torch", "Size"): _dcp_size,
+        ("torch.serialization", "_get_layout"): lambda name: name,
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("builtins", "set"): set,
+        ("builtins", "frozenset"): frozenset,
+        **{("torch", name): name for name in _DCP_DTYPE_NAMES},
+        **{("torch", name): name for name in ("strided", "sparse_coo", "sparse_csr", "_mkldnn")},  # layouts
+    }
+    for module in ("pathlib", "pathlib._local"):  # StorageMeta.checkpoint_id: kept as a pure path, never opened
+        for name in ("PosixPath", "PurePosixPath"):
+            allowed[(module, name)] = pathlib.PurePosixPath
+        for name in ("WindowsPath", "PureWindowsPath"):
+            allowed[(module, name)] = pathlib.PureWindowsPath
+    return allowed
+
+
+# A DCP `.metadata` without torch: its dataclasses as records, dtypes as names, sizes as tuples.
+DCP_METADATA: dict[tuple[str, str], object] = _dcp_metadata_records()
