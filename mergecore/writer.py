@@ -154,7 +154,8 @@ class TensorWriter:
                              f"planned {planned.shape} {planned.dtype}")
         data = tensor_bytes(block)
         row_bytes = (planned.end - planned.begin) // shape[0] if shape and shape[0] else 0
-        if not whole and len(data) != row_bytes * block.shape[0] or whole and len(data) != planned.end - planned.begin:
+        expected = planned.end - planned.begin if whole else row_bytes * block.shape[0]
+        if len(data) != expected:
             raise ValueError(f"{planned.name}: {len(data)} bytes for rows {start}.., planned {planned.end - planned.begin} in all")
         offset = self._data_start[planned.file] + planned.begin + start * row_bytes
         with room_checked(self._folder):
