@@ -34,6 +34,7 @@ FLOATING = {"float64", "float32", "float16", "bfloat16"}
 _BY_NUMPY = {dtype: name for name, (dtype, _) in _DTYPES.items()}
 _BY_SAFETENSORS = {st: name for name, (_, st) in _DTYPES.items()}
 _SAME_SIZE_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_EQUAL_BYTES = 16 << 20  # bytes of each array compared at a time
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -188,8 +189,11 @@ def bitwise_equal(a, b) -> bool:
         return False
     if a.dtype.kind == "f":  # compare the bits: NaN != NaN as floats
         bits = _SAME_SIZE_UINT[a.dtype.itemsize]
-        return bool(np.array_equal(a.view(bits), b.view(bits)))
-    return bool(np.array_equal(a, b))
+        a, b = a.view(bits), b.view(bits)
+    # row blocks: the comparison's temporary stays small however large the arrays
+    rows = max(1, _EQUAL_BYTES // max(1, a[:1].nbytes)) if a.ndim else 1
+    return all(np.array_equal(a[i:i + rows], b[i:i + rows]) for i in range(0, len(a), rows)) if a.ndim else \
+        bool(np.array_equal(a, b))
 
 
 # A float is non-finite when its exponent bits are all ones: as a signed integer at least

@@ -236,6 +236,11 @@ class HubLayoutSource(CheckpointSource):
             return self.inner.read(self.slices[name].source, dtype)  # a rename: the inner view's own values
         return super().read(name, dtype)
 
+    def streams(self, name: str) -> bool:
+        if self._whole(name):
+            return self.inner.streams(self.slices[name].source)
+        return bool(self.slices[name].shape)
+
     def check_round_trip(self, name: str, merged) -> int:
         if self._whole(name):
             return self.inner.check_round_trip(self.slices[name].source, merged)

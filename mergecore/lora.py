@@ -259,6 +259,9 @@ class LoraFusedSource(CheckpointSource):
     def pieces(self, name: str) -> Iterator[Piece]:
         return self.weights.pieces(self._names[name])
 
+    def streams(self, name: str) -> bool:
+        return not self.adapted(name) and self.weights.streams(self._names[name])  # fused ones are computed whole
+
     def adapted(self, name: str) -> bool:
         """Whether `name` is computed (W + scale·B·A) rather than read as saved."""
         return name in self._pairs

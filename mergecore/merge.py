@@ -177,26 +177,35 @@ def merge_group(
     workers: int = 2,
     on_tensor: Callable[[str], None] | None = None,
     on_nonfinite: str = "warn",
+    chunk_bytes: int | str | None = None,
 ) -> dict:
     """Assemble every tensor of one group and write it to its place in the staging files.
 
     Each floating tensor is checked for NaN/Inf as converted (so fp16 overflow counts too):
     `on_nonfinite="fail"` raises CheckpointError, `"warn"` writes it and lists it in the receipt
     as `nonfinite: {tensor: {"nan": n, "+inf": p, "-inf": m}}`.
-    Memory: at most `workers` output tensors at a time. Returns a small receipt.
+    Memory: each tensor is read, cast, checked and written in row blocks within `chunk_bytes` per worker
+    (default `CKPTFLOW_CHUNK_BYTES`, 64 MiB; 0: whole tensors), so at most `workers` blocks at a time.
+    Returns a small receipt.
     """
+    from .budget import chunk_bytes as budget_of
+
     started = time.perf_counter()
     check_nonfinite_policy(on_nonfinite)
+    budget = budget_of(chunk_bytes)
     planned = plan.in_group(group)
     if not planned:
         raise CheckpointError(f"group {group!r} is not in the plan (groups: {', '.join(plan.groups)})")
 
     def one(entry):
-        tensor = source.read(entry.name, entry.dtype)
-        counts = nonfinite_counts(tensor) if entry.dtype in FLOATING else None
-        if counts and on_nonfinite == "fail":
-            raise nonfinite_error({entry.name: counts}, source.location)
-        writer.write(entry, tensor)
+        counts = None
+        for start, block in source.row_blocks(entry.name, entry.dtype, budget):
+            found = nonfinite_counts(block) if entry.dtype in FLOATING else None
+            if found and on_nonfinite == "fail":
+                raise nonfinite_error({entry.name: found}, source.location)
+            counts = add_counts(counts, found)
+            writer.write_rows(entry, start, block)
+            del block  # the next block is read while this one would otherwise still be held
         if on_tensor:
             on_tensor(entry.name)
         return entry.end - entry.begin, entry.name, counts
@@ -207,6 +216,13 @@ def merge_group(
                "seconds": round(time.perf_counter() - started, 3)}
     nonfinite = {name: counts for _, name, counts in done if counts}
     return {**receipt, "nonfinite": nonfinite} if nonfinite else receipt
+
+
+def add_counts(total: dict[str, int] | None, more: dict[str, int] | None) -> dict[str, int] | None:
+    """Non-finite counts of two row blocks together (None: all finite)."""
+    if not (total and more):
+        return total or more
+    return {kind: total[kind] + more[kind] for kind in total}
 
 
 def finalize(
@@ -316,8 +332,10 @@ def merge_checkpoint(
     prepared: Prepared | None = None,
     checks: Callable[[Path], list[dict]] | None = None,
     on_nonfinite: str = "warn",
+    chunk_bytes: int | str | None = None,
 ) -> dict:
     """Merge a checkpoint into a verified Hugging Face folder at `target`, published atomically.
+    `chunk_bytes`: the memory budget per worker (see `merge_group`).
 
     >>> manifest = merge_checkpoint("ckpts/run1", "out/model", dtype="bf16")  # doctest: +SKIP
     >>> manifest["verification"][0]["ok"]                                      # doctest: +SKIP
@@ -337,7 +355,8 @@ def merge_checkpoint(
             prepare_files(plan, staging, metadata_bytes(prepared.source))
             receipts = []
             for group in plan.groups:
-                receipts.append(merge_group(prepared.source, plan, group, staging, workers, on_tensor, on_nonfinite))
+                receipts.append(merge_group(prepared.source, plan, group, staging, workers, on_tensor, on_nonfinite,
+                                            chunk_bytes))
                 hashes.start_written(plan, {r["group"] for r in receipts})  # files hash as far as they are written
                 if on_group:
                     on_group(group, receipts[-1])

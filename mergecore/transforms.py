@@ -44,6 +44,11 @@ class Transform:
         """This rank's slice of `part`."""
         return piece
 
+    def extract_views(self, piece: torch.Tensor, part: str = "") -> list[torch.Tensor]:
+        """`extract(piece, part)` as views of `piece` whose concatenation along dim 0 it is: reading rows of
+        the merged tensor then touches only those rows (no copy of a rank's whole part)."""
+        return [self.extract(piece, part)]
+
     def combine(self, slices: list[torch.Tensor], part: str = "") -> torch.Tensor:
         """Every rank's slice of `part`, joined into the global tensor."""
         return torch.cat(slices, dim=self.dim) if len(slices) > 1 else slices[0]
@@ -225,6 +230,12 @@ class FusedQKV(Transform):
         groups = piece.shape[0] // self.group_rows
         begin, end = self._rows(part)
         return piece.reshape(groups, self.group_rows, *piece.shape[1:])[:, begin:end].reshape(-1, *piece.shape[1:])
+
+    def extract_views(self, piece, part="q"):
+        if piece.shape[0] % self.group_rows:
+            raise ValueError(f"{piece.shape[0]} rows are not whole query groups of {self.group_rows} rows")
+        begin, end = self._rows(part)
+        return [piece[g + begin:g + end] for g in range(0, piece.shape[0], self.group_rows)]
 
     def scatter(self, tensor, tp, part="q"):
         if self.num_kv_heads % tp:

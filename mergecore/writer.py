@@ -1,7 +1,7 @@
 """Streaming safetensors writer: headers first (from the plan), then each tensor at its offset.
 
-Files are pre-sized, so tensors land independently with `os.pwrite`; only the tensor being
-written is in memory, however many groups a file holds.
+Files are pre-sized, so tensors (and row blocks of a tensor) land independently with `os.pwrite`;
+only the block being written is in memory, however large the tensor and however many groups a file holds.
 """
 
 from __future__ import annotations
@@ -136,12 +136,28 @@ class TensorWriter:
         self._data_start = {file: len(plan.header(file)) for file in plan.files}
 
     def write(self, planned: PlannedTensor, tensor) -> None:
-        if tuple(tensor.shape) != tuple(planned.shape) or dtype_of(tensor) != planned.dtype:
+        if tuple(tensor.shape) != tuple(planned.shape):
             raise ValueError(f"{planned.name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {planned.shape} {planned.dtype}")
-        data = tensor_bytes(tensor)
-        if len(data) != planned.end - planned.begin:
-            raise ValueError(f"{planned.name}: {len(data)} bytes, planned {planned.end - planned.begin}")
-        offset = self._data_start[planned.file] + planned.begin
+        self.write_rows(planned, 0, tensor)
+
+    def write_rows(self, planned: PlannedTensor, start: int, block) -> None:
+        """Write `block`, rows [start, start + len(block)) of the planned tensor (a 0-d tensor: itself, at 0),
+        straight into its place in the file.
+
+        >>> writer.write_rows(planned, 8192, embedding_rows)   # doctest: +SKIP
+        """
+        shape = tuple(planned.shape)
+        whole = not shape or (start == 0 and tuple(block.shape) == shape)
+        fits = whole or (tuple(block.shape[1:]) == shape[1:] and 0 <= start and start + block.shape[0] <= shape[0])
+        if not fits or dtype_of(block) != planned.dtype:
+            raise ValueError(f"{planned.name}: got rows {start}.. of {tuple(block.shape)} {block.dtype}, "
+                             f"planned {planned.shape} {planned.dtype}")
+        data = tensor_bytes(block)
+        row_bytes = (planned.end - planned.begin) // shape[0] if shape and shape[0] else 0
+        expected = planned.end - planned.begin if whole else row_bytes * block.shape[0]
+        if len(data) != expected:
+            raise ValueError(f"{planned.name}: {len(data)} bytes for rows {start}.., planned {planned.end - planned.begin} in all")
+        offset = self._data_start[planned.file] + planned.begin + start * row_bytes
         with room_checked(self._folder):
             fd = self._fd(planned.file)
             while data:

@@ -78,20 +78,25 @@ class CheckpointSource(ABC):
         """Re-split `merged` (the output tensor holding `name`) as training saved it and compare every
         saved piece bit for bit, cast to the output dtype. Returns the number of pieces compared.
 
+        Each piece is compared in row blocks of `budget.chunk_bytes()`, so no temporary holds a whole piece.
         Formats whose pieces are not plain boxes of the global tensor (Megatron's fused QKV, say)
         override this with their inverse transforms.
         """
         from ..arrays import bitwise_equal, cast, dtype_of, to_numpy
+        from ..budget import chunk_bytes, row_spans
         from ..errors import VerificationError
 
         merged = to_numpy(merged)
         count = 0
         for piece in self.pieces(name):
-            if not bitwise_equal(merged[piece.index], cast(piece.tensor, dtype_of(merged))):
-                raise VerificationError(
-                    f"{piece.source}: tensor {name} at offsets {piece.offsets} differs from the merged output; "
-                    "the merge is wrong: do not publish it (please report this)"
-                )
+            saved, index = to_numpy(piece.tensor), piece.index
+            for low, high in row_spans(saved.shape, merged.dtype.itemsize, chunk_bytes()):
+                mine = merged[(slice(index[0].start + low, index[0].start + high), *index[1:])] if saved.ndim else merged
+                if not bitwise_equal(mine, cast(saved[low:high] if saved.ndim else saved, dtype_of(merged))):
+                    raise VerificationError(
+                        f"{piece.source}: tensor {name} at offsets {piece.offsets} differs from the merged output; "
+                        "the merge is wrong: do not publish it (please report this)"
+                    )
             count += 1
         return count
 
@@ -101,16 +106,63 @@ class CheckpointSource(ABC):
 
         Only this tensor's bytes are touched: pieces are views into mmapped files.
         """
+        info = self.tensors()[name]
+        return self.read_rows(name, 0, info.shape[0] if info.shape else 1, dtype)
+
+    def read_rows(self, name: str, start: int, stop: int, dtype: str | None = None):
+        """Rows [start, stop) (along dim 0) of the global tensor `name`, from the parts of its primary
+        pieces that overlap them, cast to `dtype`: memory is the rows asked for, whatever the tensor's size.
+        A 0-d tensor has one row (itself).
+
+        >>> source.read_rows("model.embed_tokens.weight", 0, 1024, "bfloat16").shape   # doctest: +SKIP
+        (1024, 2048)
+        """
         import numpy as np
 
-        from ..arrays import cast_into, numpy_dtype
+        from ..arrays import cast, cast_into, numpy_dtype, to_numpy
 
         info = self.tensors()[name]
-        out = np.empty(info.shape, dtype=numpy_dtype(dtype or info.dtype))
+        target = dtype or info.dtype
+        if not info.shape:
+            out = np.empty((), dtype=numpy_dtype(target))
+            for piece in self.pieces(name):
+                if piece.primary:
+                    out[()] = cast(to_numpy(piece.tensor), target)
+            return out
+        out = np.empty((stop - start, *info.shape[1:]), dtype=numpy_dtype(target))
         for piece in self.pieces(name):
-            if piece.primary:
-                cast_into(out[piece.index], piece.tensor)
+            first, count = piece.offsets[0], piece.sizes[0]
+            low, high = max(start, first), min(stop, first + count)
+            if not piece.primary or low >= high:
+                continue
+            rows = to_numpy(piece.tensor)[low - first:high - first]
+            cast_into(out[(slice(low - start, high - start), *piece.index[1:])], rows)
         return out
+
+    def streams(self, name: str) -> bool:
+        """Whether `read_rows` gives the rows of `read` (values that are the pieces' own), so a writer may
+        ask for row blocks. A source whose `read` computes its values otherwise (fused LoRA, Megatron's
+        transforms) streams only where it says so by overriding this."""
+        return type(self).read is CheckpointSource.read and bool(self.tensors()[name].shape)
+
+    def row_blocks(self, name: str, dtype: str | None = None, budget: int | None = None) -> Iterator[tuple[int, object]]:
+        """`(first row, block)` pairs covering `name` in order, each block at most about `budget` bytes with
+        its temporaries (`budget.rows_per_block`); one whole-tensor block when the source does not stream
+        `name` or `budget` is 0/None (unbounded).
+
+        >>> [start for start, _ in source.row_blocks("lm_head.weight", "bfloat16", 64 << 20)]  # doctest: +SKIP
+        [0, 8192, 16384]
+        """
+        from ..arrays import element_size
+        from ..budget import row_spans
+
+        info = self.tensors()[name]
+        spans = list(row_spans(info.shape, element_size(dtype or info.dtype), budget)) if self.streams(name) else []
+        if len(spans) <= 1:
+            yield 0, self.read(name, dtype)
+            return
+        for low, high in spans:
+            yield low, self.read_rows(name, low, high, dtype)
 
 
 def read_hf_config(source: CheckpointSource) -> dict:

@@ -353,23 +353,29 @@ class MegatronLegacyCheckpoint(CheckpointSource):
         return self.tp
 
     def pieces(self, name: str) -> Iterator[Piece]:
-        """Each TP rank's slice of `name`, placed in the Hugging Face tensor (vocab padding cut off)."""
+        """Each TP rank's slice of `name`, placed in the Hugging Face tensor (vocab padding cut off); a fused
+        QKV slice comes as one view per query group, so reading rows never copies a rank's whole part."""
         entry = self._entries[name]
         transform = entry.transform
         info = self.tensors()[name]
         position = 0
         for t in range(self.tp):
-            piece = transform.trim(transform.extract(self._piece(t, entry), entry.part), t, self.tp)
             shown = self._shown(t, entry.pp)
             if transform.replicated:
+                piece = transform.extract(self._piece(t, entry), entry.part)
                 yield Piece(shown, (0,) * piece.dim(), tuple(piece.shape), piece, primary=t == 0)
                 continue
-            offsets = [0] * piece.dim()
-            offsets[transform.dim] = position
-            position += piece.shape[transform.dim]
-            sizes = list(info.shape)
-            sizes[transform.dim] = piece.shape[transform.dim]
-            yield Piece(shown, tuple(offsets), tuple(sizes), piece)
+            for view in transform.extract_views(self._piece(t, entry), entry.part):
+                piece = transform.trim(view, t, self.tp)
+                offsets = [0] * piece.dim()
+                offsets[transform.dim] = position
+                position += piece.shape[transform.dim]
+                sizes = list(info.shape)
+                sizes[transform.dim] = piece.shape[transform.dim]
+                yield Piece(shown, tuple(offsets), tuple(sizes), piece)
+
+    def streams(self, name: str) -> bool:
+        return bool(self.tensors()[name].shape)  # `pieces` place exactly the values `read` combines
 
     def input_files(self, names: Iterable[str] | None = None) -> list[Location]:
         if names is None:

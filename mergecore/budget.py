@@ -1,0 +1,52 @@
+"""The memory budget of one merge worker: how many output rows a block may hold.
+
+Tensors are read, cast, checked and written in row blocks, so a worker's private memory is bounded by
+the budget whatever the largest tensor. `CKPTFLOW_CHUNK_BYTES` sets it (`64MB`, `1GB`, bytes; `0`: whole
+tensors, the unbounded path).
+
+>>> rows_per_block((152064, 2048), 2, 64 << 20)
+8192
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+# A block lives beside one temporary of at most its size (a piece's rows cast to the output dtype).
+_COPIES_PER_BLOCK = 2
+
+
+def chunk_bytes(value: int | str | None = None) -> int:
+    """The budget in bytes: `value` when given, else `CKPTFLOW_CHUNK_BYTES`, else 64 MiB; 0 means unbounded."""
+    from .errors import CheckpointError
+    from .plan import parse_size
+
+    raw = value if value is not None else os.environ.get("CKPTFLOW_CHUNK_BYTES", DEFAULT_CHUNK_BYTES)
+    try:
+        return parse_size(raw)
+    except CheckpointError:
+        raise CheckpointError(f"CKPTFLOW_CHUNK_BYTES={raw!r}: not a size; write it like 64MB or in bytes (0: unbounded)") from None
+
+
+def rows_per_block(shape: tuple[int, ...], itemsize: int, budget: int | None) -> int | None:
+    """Rows of a `shape` tensor (dim 0) per block within `budget` bytes (at least one row); None when
+    `budget` is 0/None (unbounded) or the tensor is 0-d."""
+    if not budget or not shape:
+        return None
+    row_bytes = itemsize
+    for size in shape[1:]:
+        row_bytes *= size
+    return max(1, budget // (_COPIES_PER_BLOCK * max(1, row_bytes)))
+
+
+def row_spans(shape: tuple[int, ...], itemsize: int, budget: int | None):
+    """`(start, stop)` row ranges covering dim 0 of a `shape` tensor in blocks of `rows_per_block`;
+    one span for an unbounded budget, `(0, 1)` for a 0-d tensor, none for zero rows.
+
+    >>> list(row_spans((5, 2), 4, 32))
+    [(0, 2), (2, 4), (4, 5)]
+    """
+    total = shape[0] if shape else 1
+    rows = rows_per_block(shape, itemsize, budget) or max(1, total)
+    return ((start, min(start + rows, total)) for start in range(0, total, rows))
