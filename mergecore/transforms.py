@@ -13,11 +13,17 @@ A transform knows how training split (and maybe fused) a tensor over `tp` ranks:
 The reader works one part and one rank at a time to keep memory at one output tensor:
 `extract(piece, part)` is a rank's slice of one part, `combine(slices, part)` joins the ranks,
 `scatter(tensor, tp, part)` undoes `combine` and `fuse({part: slice})` undoes `extract`.
+`row_map(rows, part)` says, at TP=1 (dist_ckpt's global tensors), which saved rows land where in `part`,
+so a reader can place a part straight from the saved rows without building it.
+
+Values are numpy arrays (bfloat16 as its uint16 bits, see `mergecore.arrays`): a merge never imports
+torch. Torch tensors work as well (the test fixtures cut real models with `split`); torch is then
+imported only to concatenate them.
 """
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 __all__ = [
     "Transform", "ColumnParallel", "RowParallel", "Replicated", "VocabParallel", "FusedQKV", "GatedMLP",
@@ -25,10 +31,29 @@ __all__ = [
 ]
 
 
-def _equal_chunks(tensor: torch.Tensor, tp: int, dim: int, what: str) -> list[torch.Tensor]:
+def _equal_chunks(tensor, tp: int, dim: int, what: str) -> list:
+    """`tensor` cut into `tp` equal views along `dim`."""
     if tensor.shape[dim] % tp:
         raise ValueError(f"{what}: size {tensor.shape[dim]} on dim {dim} is not divisible by tensor parallel size {tp}")
-    return list(torch.chunk(tensor, tp, dim=dim)) if tp > 1 else [tensor]
+    size = tensor.shape[dim] // tp
+    lead = (slice(None),) * dim
+    return [tensor[(*lead, slice(r * size, (r + 1) * size))] for r in range(tp)] if tp > 1 else [tensor]
+
+
+def _cat(arrays: list, dim: int):
+    """Concatenate numpy arrays (or torch tensors, for callers that hold them) along `dim`."""
+    if isinstance(arrays[0], np.ndarray):
+        return np.concatenate(arrays, axis=dim)
+    import torch
+
+    return torch.cat(list(arrays), dim=dim)
+
+
+def _zero_rows(like, rows: int):
+    """`rows` zero rows shaped and typed like the rows of `like` (zero bits are 0.0 in every float dtype)."""
+    if isinstance(like, np.ndarray):
+        return np.zeros((rows, *like.shape[1:]), like.dtype)
+    return like.new_zeros((rows, *like.shape[1:]))
 
 
 class Transform:
@@ -40,28 +65,28 @@ class Transform:
     replicated = False  # every rank holds the whole tensor: merging reads rank 0, the others are checked
 
     # ---- one part, one rank at a time (what the reader uses) ----------------------------------
-    def extract(self, piece: torch.Tensor, part: str = "") -> torch.Tensor:
+    def extract(self, piece: np.ndarray, part: str = "") -> np.ndarray:
         """This rank's slice of `part`."""
         return piece
 
-    def extract_views(self, piece: torch.Tensor, part: str = "") -> list[torch.Tensor]:
+    def extract_views(self, piece: np.ndarray, part: str = "") -> list[np.ndarray]:
         """`extract(piece, part)` as views of `piece` whose concatenation along dim 0 it is: reading rows of
         the merged tensor then touches only those rows (no copy of a rank's whole part)."""
         return [self.extract(piece, part)]
 
-    def combine(self, slices: list[torch.Tensor], part: str = "") -> torch.Tensor:
+    def combine(self, slices: list[np.ndarray], part: str = "") -> np.ndarray:
         """Every rank's slice of `part`, joined into the global tensor."""
-        return torch.cat(slices, dim=self.dim) if len(slices) > 1 else slices[0]
+        return _cat(slices, self.dim) if len(slices) > 1 else slices[0]
 
-    def scatter(self, tensor: torch.Tensor, tp: int, part: str = "") -> list[torch.Tensor]:
+    def scatter(self, tensor: np.ndarray, tp: int, part: str = "") -> list[np.ndarray]:
         """Inverse of `combine`: the global `part` cut into per-rank slices."""
         return _equal_chunks(tensor, tp, self.dim, type(self).__name__)
 
-    def fuse(self, slices: dict[str, torch.Tensor]) -> torch.Tensor:
+    def fuse(self, slices: dict[str, np.ndarray]) -> np.ndarray:
         """Inverse of `extract` over every part: one rank's saved piece."""
         return slices[self.parts[0]]
 
-    def trim(self, piece_slice: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    def trim(self, piece_slice: np.ndarray, rank: int, tp: int) -> np.ndarray:
         """The part of a rank's slice that reaches the merged tensor (all of it, except vocab padding)."""
         return piece_slice
 
@@ -77,12 +102,22 @@ class Transform:
         shape[self.dim] *= tp
         return tuple(shape)
 
+    def row_map(self, rows: int, part: str = "") -> list[tuple[int, int, int]]:
+        """At TP=1, where the rows of a saved tensor of `rows` rows go: `(start, stop, first row in part)`
+        for each run of saved rows `[start, stop)` that lands, in order, in `part` (what `extract` and
+        `trim` keep). A reader places `part` from these runs without building it.
+
+        >>> FusedQKV(4, 2, 1).row_map(8, "k")   # groups [q q k v] [q q k v]
+        [(2, 3, 0), (6, 7, 1)]
+        """
+        return [(0, rows, 0)]
+
     # ---- whole tensors (fixtures, tests, small tensors) ----------------------------------------
-    def merge(self, pieces: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def merge(self, pieces: list[np.ndarray]) -> dict[str, np.ndarray]:
         return {part: self.combine([self.extract(p, part) for p in pieces], part) for part in self.parts}
 
-    def split(self, tensors: dict[str, torch.Tensor] | torch.Tensor, tp: int) -> list[torch.Tensor]:
-        if isinstance(tensors, torch.Tensor):
+    def split(self, tensors: dict[str, np.ndarray] | np.ndarray, tp: int) -> list[np.ndarray]:
+        if not isinstance(tensors, dict):
             tensors = {self.parts[0]: tensors}
         scattered = {part: self.scatter(tensors[part], tp, part) for part in self.parts}
         return [self.fuse({part: scattered[part][rank] for part in self.parts}) for rank in range(tp)]
@@ -94,8 +129,8 @@ class Transform:
 class ColumnParallel(Transform):
     """Output features split over ranks (dim 0): `linear_fc1` without gating, QKV-less projections.
 
-    >>> t = ColumnParallel(); w = torch.arange(8.).reshape(4, 2)
-    >>> [p.shape[0] for p in t.split(w, 2)], torch.equal(t.merge(t.split(w, 2))[""], w)
+    >>> t = ColumnParallel(); w = np.arange(8.).reshape(4, 2)
+    >>> [p.shape[0] for p in t.split(w, 2)], np.array_equal(t.merge(t.split(w, 2))[""], w)
     ([2, 2], True)
     """
 
@@ -106,9 +141,9 @@ class ColumnParallel(Transform):
 class RowParallel(Transform):
     """Input features split over ranks (dim 1): `linear_proj`, `linear_fc2`.
 
-    >>> t = RowParallel(); w = torch.arange(8.).reshape(2, 4)
+    >>> t = RowParallel(); w = np.arange(8.).reshape(2, 4)
     >>> [p.shape for p in t.split(w, 2)]
-    [torch.Size([2, 2]), torch.Size([2, 2])]
+    [(2, 2), (2, 2)]
     """
 
     dim = 1
@@ -118,8 +153,8 @@ class RowParallel(Transform):
 class Replicated(Transform):
     """Every rank holds the whole tensor (norms, router, value head); merging takes rank 0's copy.
 
-    >>> t = Replicated(); n = torch.ones(3)
-    >>> len(t.split(n, 4)), torch.equal(t.merge(t.split(n, 4))[""], n)
+    >>> t = Replicated(); n = np.ones(3)
+    >>> len(t.split(n, 4)), np.array_equal(t.merge(t.split(n, 4))[""], n)
     (4, True)
     """
 
@@ -152,10 +187,10 @@ def pad_vocab(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
 class VocabParallel(Transform):
     """Embedding / output rows split over ranks after padding the vocabulary; merging trims the padding.
 
-    >>> t = VocabParallel(5); e = torch.arange(10.).reshape(5, 2)
+    >>> t = VocabParallel(5); e = np.arange(10.).reshape(5, 2)
     >>> [p.shape[0] for p in t.split(e, 2)]   # padded to 256 rows (128 * tp)
     [128, 128]
-    >>> torch.equal(t.merge(t.split(e, 2))[""], e)
+    >>> np.array_equal(t.merge(t.split(e, 2))[""], e)
     True
     """
 
@@ -167,7 +202,7 @@ class VocabParallel(Transform):
         self.divisible_by = divisible_by
 
     def combine(self, slices, part=""):
-        merged = torch.cat(slices, dim=0) if len(slices) > 1 else slices[0]
+        merged = _cat(slices, 0) if len(slices) > 1 else slices[0]
         if merged.shape[0] < self.vocab_size:
             raise ValueError(f"{merged.shape[0]} rows are fewer than vocab_size {self.vocab_size}")
         return merged[: self.vocab_size]
@@ -175,13 +210,15 @@ class VocabParallel(Transform):
     def scatter(self, tensor, tp, part=""):
         padded = self.padded_size or pad_vocab(tensor.shape[0], tp, self.divisible_by)
         if padded > tensor.shape[0]:
-            pad = tensor.new_zeros((padded - tensor.shape[0], *tensor.shape[1:]))
-            tensor = torch.cat([tensor, pad], dim=0)
+            tensor = _cat([tensor, _zero_rows(tensor, padded - tensor.shape[0])], 0)
         return _equal_chunks(tensor, tp, 0, "VocabParallel")
 
     def trim(self, piece_slice, rank, tp):
         rows = piece_slice.shape[0]
         return piece_slice[: max(0, min(rows, self.vocab_size - rank * rows))]
+
+    def row_map(self, rows, part=""):
+        return [(0, min(rows, self.vocab_size), 0)]
 
     def local_shape(self, shapes, tp):
         shape = list(shapes[""])
@@ -200,7 +237,7 @@ class FusedQKV(Transform):
     in order; TP splits by whole groups. Weights and biases alike.
 
     >>> t = FusedQKV(num_heads=4, num_kv_heads=2, head_dim=1)
-    >>> parts = {"q": torch.tensor([0., 1, 2, 3]), "k": torch.tensor([10., 11]), "v": torch.tensor([20., 21])}
+    >>> parts = {"q": np.array([0., 1, 2, 3]), "k": np.array([10., 11]), "v": np.array([20., 21])}
     >>> [p.tolist() for p in t.split(parts, 2)]
     [[0.0, 1.0, 10.0, 20.0], [2.0, 3.0, 11.0, 21.0]]
     >>> t.merge(t.split(parts, 2))["k"].tolist()
@@ -237,6 +274,13 @@ class FusedQKV(Transform):
         begin, end = self._rows(part)
         return [piece[g + begin:g + end] for g in range(0, piece.shape[0], self.group_rows)]
 
+    def row_map(self, rows, part="q"):
+        if rows % self.group_rows:
+            raise ValueError(f"{rows} rows are not whole query groups of {self.group_rows} rows")
+        begin, end = self._rows(part)
+        return [(g * self.group_rows + begin, g * self.group_rows + end, g * (end - begin))
+                for g in range(rows // self.group_rows)]
+
     def scatter(self, tensor, tp, part="q"):
         if self.num_kv_heads % tp:
             raise ValueError(f"num_key_value_heads {self.num_kv_heads} is not divisible by tensor parallel size {tp}")
@@ -246,7 +290,7 @@ class FusedQKV(Transform):
         rest = slices["q"].shape[1:]
         groups = slices["k"].shape[0] // self.head_dim
         blocks = [slices[p].reshape(groups, -1, *rest) for p in self.parts]
-        return torch.cat(blocks, dim=1).reshape(-1, *rest)
+        return _cat(blocks, 1).reshape(-1, *rest)
 
     def local_shape(self, shapes, tp):
         return (self.num_kv_heads // tp * self.group_rows, *shapes["q"][1:])
@@ -262,7 +306,7 @@ class FusedQKV(Transform):
 class GatedMLP(Transform):
     """SwiGLU `linear_fc1`: each rank holds `[gate_r; up_r]`, column-parallel.
 
-    >>> t = GatedMLP(); parts = {"gate": torch.tensor([0., 1]), "up": torch.tensor([2., 3])}
+    >>> t = GatedMLP(); parts = {"gate": np.array([0., 1]), "up": np.array([2., 3])}
     >>> [p.tolist() for p in t.split(parts, 2)]
     [[0.0, 2.0], [1.0, 3.0]]
     """
@@ -276,8 +320,14 @@ class GatedMLP(Transform):
         half = piece.shape[0] // 2
         return piece[:half] if part == "gate" else piece[half:]
 
+    def row_map(self, rows, part="gate"):
+        if rows % 2:
+            raise ValueError(f"{rows} rows cannot hold [gate; up] halves")
+        half = rows // 2
+        return [(0, half, 0)] if part == "gate" else [(half, rows, 0)]
+
     def fuse(self, slices):
-        return torch.cat([slices["gate"], slices["up"]], dim=0)
+        return _cat([slices["gate"], slices["up"]], 0)
 
     def local_shape(self, shapes, tp):
         return (2 * shapes["gate"][0] // tp, *shapes["gate"][1:])
@@ -289,7 +339,7 @@ class GatedMLP(Transform):
 class ReplicatedGatedMLP(GatedMLP):
     """`[gate; up]` held whole by every rank: MoE experts trained with expert_tensor_parallel_size=1 under TP > 1.
 
-    >>> t = ReplicatedGatedMLP(); parts = {"gate": torch.tensor([0., 1]), "up": torch.tensor([2., 3])}
+    >>> t = ReplicatedGatedMLP(); parts = {"gate": np.array([0., 1]), "up": np.array([2., 3])}
     >>> [p.tolist() for p in t.split(parts, 2)]
     [[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0]]
     """

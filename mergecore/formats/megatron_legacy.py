@@ -20,12 +20,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
-import torch
+import numpy as np
 
-from ..errors import CheckpointError, VerificationError
+from ..errors import CheckpointError
 from ..megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
 from ..storage import Location
-from ..arrays import bitwise_equal, to_torch
+from ..arrays import bitwise_equal, dtype_of
 from ..transforms import Replicated, ReplicatedGatedMLP, Transform, VocabParallel, make_transform
 from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from .detect import MP_RANK_DIR
@@ -40,13 +40,14 @@ MODEL_FILE = "model.pt"
 
 def load_model_file(path: str, shown_as: str):
     """A `model.pt` (or dist_ckpt `common.pt`) through the Megatron allow-list (`untrusted.megatron_file`):
-    tensors are torch tensors over a private mapping of the file, bounded by their own zip member;
+    tensors are read-only numpy views of the mapped file, bounded by their own zip member;
     the `args` Namespace, enums and TransformerEngine extra state are inert records. torch.load is
-    not used: it reads a storage past its member and lets a pickle allocate (`torch.Tensor(n)`)."""
-    return torchfile.load(path, shown_as, allowed=megatron_file(), copy_on_write=True)
+    not used: it reads a storage past its member and lets a pickle allocate (`torch.Tensor(n)`),
+    and importing torch alone costs a merge ~2 s."""
+    return torchfile.load(path, shown_as, allowed=megatron_file())
 
 
-def model_chunks(obj, shown_as: str) -> list[dict[str, torch.Tensor]]:
+def model_chunks(obj, shown_as: str) -> list[dict[str, np.ndarray]]:
     """The per-virtual-stage state dicts of a loaded `model.pt`, weights only (extra state dropped)."""
     if isinstance(obj, (list, tuple)):
         chunks = list(obj)
@@ -58,7 +59,7 @@ def model_chunks(obj, shown_as: str) -> list[dict[str, torch.Tensor]]:
             chunks.append(obj[f"model{v}"])
             v += 1
     elif isinstance(obj, dict) and obj and all(isinstance(k, str) for k in obj) and any(
-            isinstance(v, torch.Tensor) for v in obj.values()):
+            isinstance(v, np.ndarray) for v in obj.values()):
         chunks = [obj]
     else:
         found = ", ".join(map(str, list(obj)[:5])) if isinstance(obj, dict) else type(obj).__name__
@@ -79,7 +80,7 @@ def model_chunks(obj, shown_as: str) -> list[dict[str, torch.Tensor]]:
                 name = name[len("module."):]
             if SKIPPED.search(name) or value is None:
                 continue
-            if not isinstance(value, torch.Tensor):
+            if not isinstance(value, np.ndarray):
                 raise CheckpointError(f"{shown_as}: entry {name} of model chunk {v} is a {type(value).__name__}, not a tensor")
             state[name] = value
         cleaned.append(state)
@@ -170,7 +171,7 @@ class MegatronLegacyCheckpoint(CheckpointSource):
     def _shown(self, tp_rank: int, pp_rank: int) -> str:
         return str(self.file(tp_rank, pp_rank))
 
-    def chunks(self, tp_rank: int, pp_rank: int) -> list[dict[str, torch.Tensor]]:
+    def chunks(self, tp_rank: int, pp_rank: int) -> list[dict[str, np.ndarray]]:
         """The state dicts (one per virtual stage) of one rank's file; tensors stay mmapped."""
         key = (tp_rank, pp_rank)
         if key not in self._states:
@@ -257,7 +258,7 @@ class MegatronLegacyCheckpoint(CheckpointSource):
             offset += count
         return shifts
 
-    def _make_transform(self, mapped: Mapped, piece: torch.Tensor) -> Transform:
+    def _make_transform(self, mapped: Mapped, piece: np.ndarray) -> Transform:
         kind = mapped.kind
         try:
             if kind == "vocab":
@@ -267,7 +268,7 @@ class MegatronLegacyCheckpoint(CheckpointSource):
                 # expert_tensor_parallel_size=1: every TP rank holds whole experts
                 if kind == "gated" and piece.shape[0] == 2 * moe:
                     return ReplicatedGatedMLP()
-                if kind == "row" and piece.dim() == 2 and piece.shape[1] == moe:
+                if kind == "row" and piece.ndim == 2 and piece.shape[1] == moe:
                     return Replicated()
             return make_transform(kind, self.config)
         except (KeyError, ValueError) as err:
@@ -302,7 +303,7 @@ class MegatronLegacyCheckpoint(CheckpointSource):
 
     # ---- the seam ------------------------------------------------------------------------------
 
-    def _piece(self, tp_rank: int, entry: Entry) -> torch.Tensor:
+    def _piece(self, tp_rank: int, entry: Entry) -> np.ndarray:
         state = self.chunks(tp_rank, entry.pp)[entry.vpp]
         if entry.key not in state:
             raise CheckpointError(
@@ -321,35 +322,18 @@ class MegatronLegacyCheckpoint(CheckpointSource):
             except (ValueError, RuntimeError) as err:
                 raise CheckpointError(f"{self._shown(0, entry.pp)}: {entry.key}: {err}") from None
             layout = f"{entry.transform!r} over TP {self.tp}: {entry.key}"
-            infos[name] = TensorInfo(name, shape, str(piece.dtype).removeprefix("torch."), layout)
+            infos[name] = TensorInfo(name, shape, dtype_of(piece), layout)
         return infos
 
     def tensors(self) -> dict[str, TensorInfo]:
         return self._infos
 
-    def read(self, name: str, dtype: str | None = None) -> torch.Tensor:
-        entry = self._entries[name]
-        ranks = [0] if entry.transform.replicated else range(self.tp)
-        slices = [entry.transform.extract(self._piece(t, entry), entry.part) for t in ranks]
-        merged = entry.transform.combine(slices, entry.part)
-        return (merged.to(getattr(torch, dtype)) if dtype is not None else merged).contiguous()
-
     def check_round_trip(self, name: str, merged) -> int:
-        """Split `merged` with the inverse transform and compare each TP rank's saved piece (its `part`
-        rows, vocabulary padding excluded) bit for bit, cast to `merged.dtype`. Over q, k and v (gate
-        and up) every saved element of a fused tensor is compared once."""
-        merged = to_torch(merged)
-        entry = self._entries[name]
-        transform = entry.transform
-        expected = transform.scatter(merged, self.tp, entry.part)
-        for t in range(self.tp):
-            saved = transform.extract(self._piece(t, entry), entry.part).to(merged.dtype)
-            if not bitwise_equal(transform.trim(expected[t], t, self.tp), transform.trim(saved, t, self.tp)):
-                what = f" ({entry.part} part)" if entry.part else ""
-                raise VerificationError(
-                    f"{self._shown(t, entry.pp)}: {entry.key}{what} in model chunk {entry.vpp} differs from the merged "
-                    f"{name}; the merge is wrong: do not publish it (please report this)"
-                )
+        """Compare each TP rank's saved piece (its `part` rows, vocabulary padding excluded) bit for bit
+        with where the inverse transform puts it in `merged`, cast to `merged`'s dtype, in row blocks
+        (`pieces` are those placements). Over q, k and v (gate and up) every saved element of a fused
+        tensor is compared once. Returns the number of TP ranks compared."""
+        super().check_round_trip(name, merged)
         return self.tp
 
     def pieces(self, name: str) -> Iterator[Piece]:
@@ -359,15 +343,16 @@ class MegatronLegacyCheckpoint(CheckpointSource):
         transform = entry.transform
         info = self.tensors()[name]
         position = 0
+        what = f" ({entry.part} part)" if entry.part else ""
         for t in range(self.tp):
-            shown = self._shown(t, entry.pp)
+            shown = f"{self._shown(t, entry.pp)}: {entry.key}{what} in model chunk {entry.vpp}"
             if transform.replicated:
                 piece = transform.extract(self._piece(t, entry), entry.part)
-                yield Piece(shown, (0,) * piece.dim(), tuple(piece.shape), piece, primary=t == 0)
+                yield Piece(shown, (0,) * piece.ndim, tuple(piece.shape), piece, primary=t == 0)
                 continue
             for view in transform.extract_views(self._piece(t, entry), entry.part):
                 piece = transform.trim(view, t, self.tp)
-                offsets = [0] * piece.dim()
+                offsets = [0] * piece.ndim
                 offsets[transform.dim] = position
                 position += piece.shape[transform.dim]
                 sizes = list(info.shape)
@@ -457,8 +442,8 @@ class MegatronLegacyCheckpoint(CheckpointSource):
             piece = self._piece(t, entry)
             if piece.shape != first.shape or piece.dtype != first.dtype:
                 raise CheckpointError(
-                    f"{self._shown(t, entry.pp)}: {entry.key} is {tuple(piece.shape)} {piece.dtype} here but "
-                    f"{tuple(first.shape)} {first.dtype} in {self._shown(0, entry.pp)}; the rank files come from "
+                    f"{self._shown(t, entry.pp)}: {entry.key} is {tuple(piece.shape)} {dtype_of(piece)} here but "
+                    f"{tuple(first.shape)} {dtype_of(first)} in {self._shown(0, entry.pp)}; the rank files come from "
                     "different saves or TP sizes: re-copy the checkpoint"
                 )
         if entry.transform.kind == "qkv":

@@ -13,8 +13,8 @@ The allow-lists, one per kind of file:
 - `TORCH_FILE` (no torch import): torch.save archives read by `torchfile` (FSDP rank files, DCP
   `.distcp` items). Storages are numpy views of the mmapped file, tensors strided views inside
   their own storage, DTensor/ShardedTensor layout classes inert records.
-- `megatron_file()`: Megatron `model.pt` / dist_ckpt `common.pt`, also read by `torchfile`;
-  tensors become torch tensors sharing the mapped pages, the `args` Namespace, enums and
+- `megatron_file()`: Megatron `model.pt` / dist_ckpt `common.pt`, also read by `torchfile` (no torch
+  import); tensors are numpy views as above, dtypes their names, the `args` Namespace, enums and
   TransformerEngine extra state inert records.
 - `dcp_metadata()`: a DCP `.metadata`: torch's metadata dataclasses, dtypes, sizes, pure paths.
 
@@ -407,17 +407,18 @@ def _latin1(text, encoding="latin1"):
     return text.encode("latin1")
 
 
+# every torch dtype a Megatron `args` Namespace may name (params_dtype, fp8 formats...): kept as its name
+_ALL_TORCH_DTYPES = (*TORCH_DTYPES, "half", "float", "double", "bfloat", "long", "int", "short", "cfloat", "cdouble",
+                     "uint16", "uint32", "uint64", "complex32", "complex64", "complex128", "chalf", "quint8", "qint8",
+                     "qint32", "quint4x2", "quint2x4", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                     "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "bits8", "bits16")
+
+
 @functools.cache
 def megatron_file() -> dict[tuple[str, str], object]:
-    """Allow-list for Megatron `model.pt`/`common.pt`: `TORCH_FILE`'s tensors (as torch tensors sharing
-    the mapped pages), torch dtypes, and inert records for what Megatron keeps beside tensors."""
-    import torch
-
-    from ..arrays import to_torch
-
-    def rebuild_torch(unpickler, module, name):
-        rebuild = _rebuild_tensor(unpickler, module, name)
-        return lambda *args: to_torch(_writable(rebuild(*args)))
+    """Allow-list for Megatron `model.pt`/`common.pt` (no torch import): `TORCH_FILE`'s plain tensors as
+    read-only numpy views of the mapped file, torch dtypes as their names, sizes as bounded tuples, and
+    inert records for what Megatron keeps beside tensors."""
 
     def rebuild_from_type(func, new_type, args, state):
         if new_type is TensorClass:
@@ -426,10 +427,9 @@ def megatron_file() -> dict[tuple[str, str], object]:
 
     return {
         **_TENSORS,
-        ("torch._utils", "_rebuild_tensor_v2"): Resolver(rebuild_torch),
         ("torch._tensor", "_rebuild_from_type_v2"): rebuild_from_type,
-        ("torch", "Size"): Resolver(lambda u, m, n: lambda dims=(): torch.Size(u.max_elements(dims, "torch.Size"))),
-        **{("torch", name): getattr(torch, name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)},
+        ("torch", "Size"): Resolver(_size),
+        **{("torch", name): name for name in _ALL_TORCH_DTYPES},
         ("_codecs", "encode"): _latin1,
         ("builtins", "set"): set,
         ("builtins", "frozenset"): frozenset,
@@ -442,12 +442,6 @@ def megatron_file() -> dict[tuple[str, str], object]:
         ("transformer_engine.*", "*"): inert(),
         ("numpy.*", "*"): inert(),
     }
-
-
-def _writable(array: np.ndarray) -> np.ndarray:
-    """A view of a copy-on-write mapping may be writable (torch wants that); pages are copied only if written."""
-    array.flags.writeable = True
-    return array
 
 
 # ---- DCP .metadata ----------------------------------------------------------------------------
