@@ -313,3 +313,46 @@ def test_other_backends_and_missing_files(dist_copy, tmp_path):
     (dist_dir(ckpt) / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr"}))
     with pytest.raises(CheckpointError, match=r"metadata.json: sharded_backend is 'zarr'; only the torch_dist"):
         open_checkpoint(str(ckpt.role_dir))
+
+
+# ---- start-up and streaming ------------------------------------------------------------------
+
+def merge_in_a_fresh_process(role_dir: Path, out: Path, chunk_bytes: str) -> list[str]:
+    """Merge `role_dir` in a new Python process with the chunk budget `chunk_bytes`; the heavy modules it imported."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, sys\n"
+            "from mergecore import merge_checkpoint\n"
+            f"merge_checkpoint({str(role_dir)!r}, {str(out)!r}, dtype='keep')\n"
+            "print(json.dumps(sorted(m for m in ('torch', 'ml_dtypes', 'transformers') if m in sys.modules)))\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "CKPTFLOW_CHUNK_BYTES": chunk_bytes, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", ["qwen2", "qwen2_moe"])
+def test_merge_imports_no_torch_and_streams_within_a_tiny_budget(dist, case, tmp_path):
+    """A dist_ckpt merge never imports torch, and with a 4 KB chunk budget (every tensor in many row blocks,
+    fused QKV and [gate; up] parts and the padded vocabulary included) the output equals save_pretrained's."""
+    ckpt = dist(case)
+    assert merge_in_a_fresh_process(ckpt.role_dir, tmp_path / "out", "4KB") == []
+    assert compare_with_reference(tmp_path / "out", ckpt.reference_dir)["max_abs_diff"] == 0.0
+    verify_round_trip(open_checkpoint(str(ckpt.role_dir)), tmp_path / "out", {})
+
+
+def test_read_rows_come_from_views_of_the_mapped_chunks(dist):
+    """Rows of the (padded, vocab-trimmed) embedding and of a fused QKV part come straight from views of the
+    mapped chunks, and equal the saved model's rows."""
+    ckpt = dist("qwen2")
+    source = open_checkpoint(str(ckpt.role_dir))
+    reference = load_folder(ckpt.reference_dir)
+    rows = source.read_rows("model.embed_tokens.weight", 290, 300)
+    assert rows.tobytes() == reference["model.embed_tokens.weight"][290:300].numpy().tobytes()
+    k = source.read_rows("model.layers.1.self_attn.k_proj.weight", 3, 21)
+    assert k.tobytes() == reference["model.layers.1.self_attn.k_proj.weight"][3:21].numpy().tobytes()
+    pieces = list(source.pieces("model.layers.1.self_attn.k_proj.weight"))
+    assert all(not p.tensor.flags.owndata for p in pieces)  # views of the mapped file, never copies

@@ -439,3 +439,24 @@ def test_unknown_model_type_without_mapping(mcore_copy):
     with pytest.raises(CheckpointError, match="model_type 'gpt_mystery' has no Megatron mapping table") as excinfo:
         prepare(str(ckpt.role_dir))
     one_line_error(excinfo)
+
+
+def test_merge_imports_no_torch_and_streams_within_a_tiny_budget(mcore, tmp_path):
+    """A legacy merge never imports torch (model.pt files are read as numpy views), and with a 4 KB chunk
+    budget (QKV groups, [gate; up] halves, TP concat on both dims and vocab padding cut across row blocks)
+    the output equals save_pretrained's."""
+    import os
+    import subprocess
+    import sys
+
+    ckpt = mcore("qwen2", "tp2-pp2")
+    code = ("import json, sys\n"
+            "from mergecore import merge_checkpoint\n"
+            f"merge_checkpoint({str(ckpt.role_dir)!r}, {str(tmp_path / 'out')!r}, dtype='keep')\n"
+            "print(json.dumps('torch' in sys.modules))\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "CKPTFLOW_CHUNK_BYTES": "4KB", "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) is False
+    assert compare_with_reference(tmp_path / "out", ckpt.reference_dir)["max_abs_diff"] == 0.0

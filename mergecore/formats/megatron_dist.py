@@ -20,8 +20,10 @@ Heterogeneous models use per-layer keys `decoder.layers.<i>.<suffix>`. Every suc
 legacy-style name (`decoder.layers.<i>.<suffix>`, experts `...local_experts.<e>...`) and resolved with
 the same tables as legacy checkpoints.
 
-Only the byte ranges of the slice being merged are read (a load planner asking for one box of one
-key); optimizer state or extra state sharing the files is never touched. `.metadata` and `common.pt`
+Only the byte ranges of the rows being merged are read: every stored chunk is a numpy view of its
+mmapped `.distcp` file, and `pieces` places each chunk's part rows (`Transform.row_map`) in the Hugging
+Face tensor, so `read_rows` streams any tensor in row blocks within the chunk budget
+(`mergecore.budget`); optimizer state or extra state sharing the files is never touched. `.metadata` and `common.pt`
 are untrusted: they are unpickled with allow-lists, never with plain pickle (torch's
 `FileSystemReader.read_metadata` uses plain `pickle.load`, so it is bypassed).
 """
@@ -39,13 +41,12 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-import torch
 
-from ..errors import CheckpointError, VerificationError
+from ..errors import CheckpointError
 from ..megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
 from ..storage import Location
 from ..tensorio import read_json
-from ..arrays import bitwise_equal, cast, dtype_of, element_size, numpy_dtype, to_numpy, to_torch
+from ..arrays import element_size, numpy_dtype
 from ..transforms import Transform, VocabParallel, make_transform
 from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from . import torchfile
@@ -326,15 +327,15 @@ class MegatronDistCheckpoint(CheckpointSource):
 
     # ---- reading -------------------------------------------------------------------------------
 
-    def read_slice(self, s: Slice) -> torch.Tensor:
+    def read_slice(self, s: Slice) -> np.ndarray:
         """`key[index]` from the .distcp files: only the bytes of that box are read.
 
         DCP stores each chunk as a torch.save archive at a byte range of a .distcp file;
         torch's own reader loads whole chunks, which for a stacked `[L, ...]` key means every layer for
         each layer. We map the chunk (torchfile: numpy views of the mmapped file) and copy out the box
-        (a copy the caller owns: the merge may convert or change it in place).
+        (a copy the caller owns).
         """
-        return to_torch(np.array(self._slice_array(s)))
+        return np.array(self._slice_array(s))
 
     def _slice_array(self, s: Slice) -> np.ndarray:
         """`key[index]` as numpy: a view of the mapped chunk when one chunk holds it (a stacked key's layer
@@ -346,11 +347,7 @@ class MegatronDistCheckpoint(CheckpointSource):
             high = [min(b + n, c + m) for b, n, c, m in zip(box_offsets, box_sizes, chunk_offsets, chunk_sizes)]
             if any(lo >= hi for lo, hi in zip(low, high)):
                 continue
-            if info.transform_descriptors:
-                raise CheckpointError(
-                    f"{self.dist_dir.join(info.relative_path)}: {s.key} is stored through DCP extensions "
-                    f"{list(info.transform_descriptors)} (compression?), which ckptflow does not read; save the "
-                    "checkpoint without storage extensions")
+            self._refuse_extensions(s, info)
             chunk = self._chunk_array(info, chunk_sizes)
             inside = tuple(slice(lo - c, hi - c) for lo, hi, c in zip(low, high, chunk_offsets))
             if dest is None and [hi - lo for lo, hi in zip(low, high)] == list(box_sizes):
@@ -364,6 +361,13 @@ class MegatronDistCheckpoint(CheckpointSource):
                                   "the metadata is damaged: copy the dist_ckpt folder again")
         return dest.reshape(s.shape)
 
+    def _refuse_extensions(self, s: Slice, info) -> None:
+        if info.transform_descriptors:
+            raise CheckpointError(
+                f"{self.dist_dir.join(info.relative_path)}: {s.key} is stored through DCP extensions "
+                f"{list(info.transform_descriptors)} (compression?), which ckptflow does not read; save the "
+                "checkpoint without storage extensions")
+
     def _box(self, s: Slice) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(offsets, sizes) of `key[index]` within the key's global tensor."""
         full = tuple(int(x) for x in self.metadata.state_dict_metadata[s.key].size)
@@ -371,22 +375,20 @@ class MegatronDistCheckpoint(CheckpointSource):
         return (*s.index, *([0] * (len(full) - lead))), (*([1] * lead), *full[lead:])
 
     def _chunk_array(self, info, sizes: tuple[int, ...]) -> np.ndarray:
-        """One stored chunk (a torch.save archive, DCP's default serialization) as a numpy view of its
-        mmapped .distcp file, mapped copy-on-write so torch can share its pages: nothing here writes to it,
-        and a write would only make private pages, never touch the file."""
+        """One stored chunk (a torch.save archive, DCP's default serialization) as a read-only numpy view of
+        its mmapped .distcp file: pages are read when rows are asked for, and stay shared, never private."""
         key = (info.relative_path, info.offset)
         if key not in self._chunks:
             location = self.dist_dir.join(info.relative_path)
             shown = f"{location} (bytes {info.offset}+{info.length})"
             try:
-                array = torchfile.load(location.local_file(), shown, info.offset, info.length, copy_on_write=True)
+                array = torchfile.load(location.local_file(), shown, info.offset, info.length)
             except OSError as err:
                 raise CheckpointError(f"{shown}: cannot be read ({err}); the file is missing or truncated: copy the "
                                       "whole dist_ckpt folder again") from None
             if not isinstance(array, np.ndarray) or tuple(array.shape) != tuple(sizes):
                 raise CheckpointError(f"{shown}: holds {getattr(array, 'shape', type(array).__name__)}, not the "
                                       f"{tuple(sizes)} chunk .metadata describes; the folder mixes two saves")
-            array.flags.writeable = True  # its copy-on-write mapping: torch.from_numpy shares it, uncopied
             self._chunks[key] = array
         return self._chunks[key]
 
@@ -433,39 +435,56 @@ class MegatronDistCheckpoint(CheckpointSource):
     def tensors(self) -> dict[str, TensorInfo]:
         return self._infos
 
-    def read(self, name: str, dtype: str | None = None) -> torch.Tensor:
-        entry = self._entries[name]
-        value = entry.transform.combine([entry.transform.extract(self.read_slice(entry.slice), entry.part)], entry.part)
-        return (value.to(getattr(torch, dtype)) if dtype is not None else value).contiguous()
-
     def check_round_trip(self, name: str, merged) -> int:
         """Compare `merged` with the saved slice of the global Megatron tensor (its `part` rows, vocabulary
         padding excluded), bit for bit in `merged`'s dtype.
 
-        dist_ckpt holds TP=1 global tensors, so the inverse transform at TP=1 is the identity on the part
-        (VocabParallel pads and trims back the same rows): `merged`, a read-only view of the output file,
-        is compared as it is, never copied; only the saved part is converted, block by block.
+        dist_ckpt holds TP=1 global tensors, so the inverse transform at TP=1 is the identity on the part:
+        each stored chunk's part rows (`pieces`) are compared with where they sit in `merged`, in row
+        blocks; `merged`, a read-only view of the output file, is never copied. Returns 1 (one saved slice).
         """
-        merged = to_numpy(merged)
-        entry = self._entries[name]
-        transform = entry.transform
-        saved = to_numpy(transform.trim(transform.extract(to_torch(self._slice_array(entry.slice)), entry.part), 0, 1))
-        if not bitwise_equal(merged, cast(saved, dtype_of(merged))):
-            what = f" ({entry.part} part)" if entry.part else ""
-            where = f"[{', '.join(map(str, entry.slice.index))}]" if entry.slice.index else ""
-            files = ", ".join(str(f) for f in self._files_for(entry.slice))
-            raise VerificationError(
-                f"{files}: {entry.slice.key}{where}{what} differs from the merged {name}; the merge is wrong: do not "
-                "publish it (please report this)"
-            )
+        super().check_round_trip(name, merged)
         return 1
 
     def pieces(self, name: str) -> Iterator[Piece]:
-        """The whole global tensor as one piece (dist_ckpt stores global tensors)."""
+        """The saved rows of `name`, as views of the mapped `.distcp` chunks placed in the Hugging Face tensor:
+        one piece per stored chunk and run of part rows (a fused QKV part comes as one run per query group;
+        vocabulary padding is left out). Reading rows of the merged tensor touches only those rows' bytes."""
         entry = self._entries[name]
-        tensor = self.read(name)
-        source = f"{self.dist_dir}:{entry.slice.key}" + (f"[{entry.slice.index}]" if entry.slice.index else "")
-        yield Piece(source, (0,) * tensor.dim(), tuple(tensor.shape), tensor)
+        s, transform = entry.slice, entry.transform
+        box_offsets, box_sizes = self._box(s)
+        lead = len(s.index)
+        what = f" ({entry.part} part)" if entry.part else ""
+        where = f"[{', '.join(map(str, s.index))}]" if s.index else ""
+        runs = transform.row_map(s.shape[0], entry.part) if s.shape else []
+        found = False
+        for chunk_offsets, chunk_sizes, info in self._chunk_files.get(s.key, []):
+            low = [max(b, c) for b, c in zip(box_offsets, chunk_offsets)]
+            high = [min(b + n, c + m) for b, n, c, m in zip(box_offsets, box_sizes, chunk_offsets, chunk_sizes)]
+            if any(lo >= hi for lo, hi in zip(low, high)):
+                continue
+            found = True
+            self._refuse_extensions(s, info)
+            inside = self._chunk_array(info, chunk_sizes)[tuple(slice(lo - c, hi - c) for lo, hi, c in
+                                                                  zip(low, high, chunk_offsets))]
+            view = inside[(0,) * lead + (...,)]  # the slice's own axes (a view; `...` keeps a 0-d one an array)
+            start = [lo - b for lo, b in zip(low[lead:], box_offsets[lead:])]
+            source = f"{self.dist_dir.join(info.relative_path)}: {s.key}{where}{what}"
+            if not s.shape:
+                yield Piece(source, (), (), view)
+                continue
+            first, stop = start[0], start[0] + view.shape[0]
+            for begin, end, target in runs:
+                lo, hi = max(begin, first), min(end, stop)
+                if lo < hi:
+                    rows = view[lo - first:hi - first]
+                    yield Piece(source, (target + lo - begin, *start[1:]), tuple(rows.shape), rows)
+        if not found:
+            raise CheckpointError(f"{self.dist_dir.join(DIST_METADATA_FILE)}: no chunk of {s.key} holds {s.index}; "
+                                  "the metadata is damaged: copy the dist_ckpt folder again")
+
+    def streams(self, name: str) -> bool:
+        return bool(self.tensors()[name].shape)  # `pieces` place exactly the saved rows of each part
 
     def input_files(self, names: Iterable[str] | None = None) -> list[Location]:
         entries = self._entries.values() if names is None else [self._entries[n] for n in names if n in self._entries]
