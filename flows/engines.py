@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 import tempfile
+from pathlib import Path
 
 from mergecore import CheckpointError
 
@@ -64,6 +65,13 @@ def check_scheduler_answers(address: str) -> None:
     except OSError as error:
         raise CheckpointError(f"--dask-address {address}: no Dask scheduler answers ({error.strerror or error}); "
                               "start one with `dask scheduler` or use --dask-workers N for a local cluster") from None
+
+
+def seen_from_workers(path: str | None) -> str | None:
+    """A local path made absolute (workers of an existing cluster run in folders of their own); URLs as given."""
+    if path is None or "://" in path:
+        return path
+    return str(Path(path).absolute())
 
 
 def group_task_runner(task_runner: str, dask_address: str | None = None, dask_workers: int | None = None):

@@ -22,7 +22,7 @@ from tasks import (discover_shards, finalize_model, merge_group, plan_groups, pr
 from tasks.caching import group_cache_policy, results_folder
 from tasks.sources import CheckpointRef, lora_options
 
-from .engines import group_task_runner
+from .engines import group_task_runner, seen_from_workers
 from .progress import GroupProgress
 from .reports import equivalence_rows, merge_report
 
@@ -94,6 +94,8 @@ def promote_checkpoint(
     LocalCluster of `dask_workers` processes started for this run (see flows/engines.py)."""
     check_nonfinite_policy(on_nonfinite)
     runner = group_task_runner(task_runner, dask_address, dask_workers)  # a bad choice or a silent scheduler fails here
+    if task_runner != "threads":
+        checkpoint, hf_dir, custom_mapping = map(seen_from_workers, (checkpoint, hf_dir, custom_mapping))
     given = {"alpha": lora_alpha, "r": lora_r, "target_modules": target_modules, "base_model": base_model}
     lora_settings = lora_options(checkpoint, role, backend, hf_dir, custom_mapping, lora, given)
     ref = CheckpointRef(checkpoint, role, backend, hf_dir, dtype, max_shard_size, custom_mapping=custom_mapping,

@@ -84,16 +84,18 @@ def test_local_cluster_merges_the_thread_bytes_in_worker_processes_and_caches_th
     assert_same_model(target, by_threads)
 
 
-def test_existing_cluster_by_address(cli, demo, by_threads, tmp_path):
+def test_existing_cluster_by_address(cli, demo, by_threads, tmp_path, monkeypatch):
     from distributed import Client, LocalCluster
 
+    ckpt = demo("fsdp2-w2")
     target = tmp_path / "model"
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
                       dashboard_address="127.0.0.1:0", local_directory=str(tmp_path / "dask")) as cluster, \
             Client(cluster) as client:
         worker_pids = set(client.run(os.getpid).values())
         since = datetime.now(timezone.utc)
-        result = cli("promote", demo("fsdp2-w2").run_root, "--target", target,
+        monkeypatch.chdir(ckpt.run_root.parent)  # paths relative to here, where the workers do not run
+        result = cli("promote", ckpt.run_root.name, "--target", target,
                      "--task-runner", "dask", "--dask-address", cluster.scheduler_address)
         assert result.exit_code == 0, result.output
         assert len(client.scheduler_info()["workers"]) == 2  # the cluster outlives the run that used it
