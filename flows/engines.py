@@ -82,7 +82,10 @@ def group_task_runner(task_runner: str, dask_address: str | None = None, dask_wo
         from prefect.task_runners import ThreadPoolTaskRunner
 
         return ThreadPoolTaskRunner(max_workers=THREADS)
-    from prefect_dask import DaskTaskRunner
+    try:
+        from prefect_dask import DaskTaskRunner
+    except ImportError:
+        raise CheckpointError("--task-runner dask needs prefect-dask: pip install 'ckptflow[pipeline]'") from None
 
     if dask_address is not None:
         check_scheduler_answers(dask_address)
