@@ -376,24 +376,33 @@ def promote(
     lora_r: Optional[int] = LORA_R,
     target_modules: Optional[str] = TARGET_MODULES,
     base_model: Optional[str] = BASE_MODEL,
+    task_runner: str = typer.Option("threads", "--task-runner", help="Where groups are merged: threads (2, in this "
+                                    "process) or dask (a Dask cluster: --dask-address or --dask-workers)."),
+    dask_address: Optional[str] = typer.Option(None, "--dask-address", help="Scheduler of an existing Dask cluster, "
+                                               "tcp://HOST:PORT; its workers must see the target's folder."),
+    dask_workers: Optional[int] = typer.Option(None, "--dask-workers", help="Start a local Dask cluster of N worker "
+                                               "processes for this run (default 2)."),
 ):
     """Run the Prefect pipeline: merge (cached per group) -> verify -> push to the Hub.
 
     A LoRA checkpoint is published as its fused model; by default with its PEFT adapter in lora_adapter/
     (pushed inside the same repo)."""
+    from flows.engines import check_engine_options
     from flows.run import run_promotion
 
     if not hub_repo and (revision or tag or hub_token_secret):
         refuse("--revision, --tag and --hub-token-secret only apply with --hub-repo ORG/NAME")
     if trust_remote_code and not reference:
         refuse("--trust-remote-code applies to the logits check against --reference: add --reference FOLDER")
+    check_engine_options(task_runner, dask_address, dask_workers)
 
     result = run_promotion(checkpoint=checkpoint, target=target, dtype=dtype, reference=reference, hub_repo=hub_repo,
                            revision=revision, private=private, max_shard_size=max_shard_size, role=role,
                            backend=backend, hf_dir=hf_model_path, tag=tag, hub_token_secret=hub_token_secret,
                            overwrite=overwrite, custom_mapping=custom_mapping, trust_remote_code=trust_remote_code,
                            on_nonfinite=on_nonfinite, lora=lora, lora_alpha=lora_alpha, lora_r=lora_r,
-                           target_modules=target_modules, base_model=base_model)
+                           target_modules=target_modules, base_model=base_model, task_runner=task_runner,
+                           dask_address=dask_address, dask_workers=dask_workers)
     warn_nonfinite(result.get("nonfinite", {}))
     print_checks(result["checks"])
     cached = result["cached_groups"]

@@ -22,18 +22,19 @@ from tasks import (discover_shards, finalize_model, merge_group, plan_groups, pr
 from tasks.caching import group_cache_policy, results_folder
 from tasks.sources import CheckpointRef, lora_options
 
+from .engines import group_task_runner, seen_from_workers
 from .progress import GroupProgress
 from .reports import equivalence_rows, merge_report
 
 
-@flow(name="merge-checkpoint", task_runner=ThreadPoolTaskRunner(max_workers=2))
+@flow(name="merge-checkpoint", task_runner=group_task_runner("threads"))
 def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False, reference: str | None = None,
                      trust_remote_code: bool = False) -> dict:
     """Checkpoint -> verified Hugging Face folder at `target`; groups are cached across runs."""
     source = discover_shards(ref)
     validate_metadata(ref)
     plan = plan_groups(ref)
-    plan_as_is = quote(plan)  # not walked for futures: Prefect's walk of a large plan costs ms per task
+    plan_as_is = as_is(plan)
     staged = prepare_staging(ref, target, overwrite)
     if staged["published"]:  # a rerun after success: the target holds every group
         futures = {}
@@ -79,18 +80,27 @@ def promote_checkpoint(
     lora_r: int | None = None,
     target_modules: str | None = None,
     base_model: str | None = None,
+    task_runner: str = "threads",
+    dask_address: str | None = None,
+    dask_workers: int | None = None,
 ) -> dict:
     """Merge a training checkpoint, prove it equal to what was trained, and publish it to the Hub.
 
     NaN/Inf weights fail the run unless `on_nonfinite="warn"` (then they are listed in the result
     and the manifest). A LoRA checkpoint is published fused (`lora`: both, the default, also writes the
-    PEFT adapter to `lora_adapter/` of the same folder and repo; fuse); a save_lora_only one needs `base_model`."""
+    PEFT adapter to `lora_adapter/` of the same folder and repo; fuse); a save_lora_only one needs `base_model`.
+
+    `task_runner="dask"` merges the groups on a Dask cluster: the scheduler at `dask_address`, or a
+    LocalCluster of `dask_workers` processes started for this run (see flows/engines.py)."""
     check_nonfinite_policy(on_nonfinite)
+    runner = group_task_runner(task_runner, dask_address, dask_workers)  # a bad choice or a silent scheduler fails here
+    if task_runner != "threads":
+        checkpoint, hf_dir, custom_mapping = map(seen_from_workers, (checkpoint, hf_dir, custom_mapping))
     given = {"alpha": lora_alpha, "r": lora_r, "target_modules": target_modules, "base_model": base_model}
     lora_settings = lora_options(checkpoint, role, backend, hf_dir, custom_mapping, lora, given)
     ref = CheckpointRef(checkpoint, role, backend, hf_dir, dtype, max_shard_size, custom_mapping=custom_mapping,
                         on_nonfinite=on_nonfinite, lora=lora_settings)
-    manifest = merge_checkpoint(ref, target, overwrite, reference, trust_remote_code)
+    manifest = merge_checkpoint.with_options(task_runner=runner)(ref, target, overwrite, reference, trust_remote_code)
     checks = run_equivalence_tests(target, manifest, reference, trust_remote_code)
     create_table_artifact(equivalence_rows(checks), key="equivalence", description="equivalence tests")
     result = {"target": str(Path(target).absolute()), "checks": checks, "cached_groups": manifest["cached_groups"],
@@ -100,6 +110,14 @@ def promote_checkpoint(
         create_link_artifact(pushed["url"], link_text=f"{hub_repo}@{pushed['revision']}", key="hub-revision")
         result["hub"] = pushed
     return result
+
+
+def as_is(plan):
+    """The plan marked not to be walked for futures (Prefect's walk of a large plan costs ms per task);
+    except for Dask, whose submit unpacks tuples and Prefect's `quote` with them (the task got `(plan,)`)."""
+    from prefect.context import FlowRunContext
+
+    return quote(plan) if isinstance(FlowRunContext.get().task_runner, ThreadPoolTaskRunner) else plan
 
 
 def finished_groups(futures: dict, plan, progress: GroupProgress, hashes: BackgroundHashes):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 
 from prefect import task
@@ -39,10 +41,12 @@ def merge_group(ref: CheckpointRef, plan: MergePlan, group: str, staging: str, w
     if not Path(staging).exists():
         raise CheckpointError(f"{staging}: staging folder is gone and group {group} has no cached result; "
                               "rerun with overwrite=True to rebuild the target")
-    receipt = merge_one_group(prepared_for(ref).source, plan, group, Path(staging), workers, on_nonfinite=ref.on_nonfinite)
-    if receipt.get("nonfinite"):
-        from prefect import get_run_logger
+    from prefect import get_run_logger
 
+    receipt = merge_one_group(prepared_for(ref).source, plan, group, Path(staging), workers, on_nonfinite=ref.on_nonfinite)
+    # where it ran: with a Dask runner, which worker process (the receipt stays free of it: it goes in the manifest)
+    get_run_logger().info("group %s merged by process %d on %s", group, os.getpid(), socket.gethostname())
+    if receipt.get("nonfinite"):
         get_run_logger().warning("non-finite weights written (on_nonfinite=warn): %s", receipt["nonfinite"])
     return receipt
 
