@@ -57,23 +57,23 @@ def test_interrupted_promotion_resumes_and_reruns_are_free(prefect_server, hub, 
     target = tmp_path / "model"
     options = dict(reference=str(ckpt.reference_dir), hub_repo="alice/run1", revision="step-1", tag="v1")
 
-    write = TensorWriter.write
+    write = TensorWriter.write_rows  # every merge writes through it, in row blocks
 
     flaky = {"embed"}  # a transient I/O error, once: merge_group retries it
 
-    def pull_the_disk_during_layers_1(self, planned, tensor):
+    def pull_the_disk_during_layers_1(self, planned, start, tensor):
         if planned.group == "layers.1":
             raise RuntimeError("injected fault")
         if planned.group in flaky:
             flaky.discard(planned.group)
             raise OSError("injected transient I/O error")
-        return write(self, planned, tensor)
+        return write(self, planned, start, tensor)
 
-    monkeypatch.setattr(TensorWriter, "write", pull_the_disk_during_layers_1)
+    monkeypatch.setattr(TensorWriter, "write_rows", pull_the_disk_during_layers_1)
     failed = promote(ckpt, target, return_state=True, **options)
     assert failed.is_failed()
     assert not target.exists() and not any("/api/models/alice/run1/commit" in r.path for r in hub.requests)
-    monkeypatch.setattr(TensorWriter, "write", write)
+    monkeypatch.setattr(TensorWriter, "write_rows", write)
 
     resumed = promote(ckpt, target, **options)
     first, second = merge_group_states()[-2:]
@@ -213,12 +213,12 @@ import os, signal, sys
 from mergecore.writer import TensorWriter
 from flows.run import run_promotion
 
-write = TensorWriter.write
-def die_in(self, planned, tensor):
+write = TensorWriter.write_rows  # every merge writes through it, in row blocks
+def die_in(self, planned, start, tensor):
     if planned.group == sys.argv[3]:
         os.kill(os.getpid(), signal.SIGKILL)  # no handler, no cleanup: an OOM kill or a lost node
-    return write(self, planned, tensor)
-TensorWriter.write = die_in
+    return write(self, planned, start, tensor)
+TensorWriter.write_rows = die_in
 run_promotion(checkpoint=sys.argv[1], target=sys.argv[2])
 """
 

@@ -42,17 +42,17 @@ def test_a_ui_retry_resumes_a_failed_promotion(prefect_server, hub, demo, tmp_pa
     with get_client(sync_client=True) as client:
         flow_run = client.create_flow_run(promote_checkpoint, parameters=parameters)
 
-    write = TensorWriter.write
+    write = TensorWriter.write_rows  # every merge writes through it, in row blocks
 
-    def disk_fails_during_layers_1(self, planned, tensor):  # the storage under the writer gives out mid-merge
+    def disk_fails_during_layers_1(self, planned, start, tensor):  # the storage under the writer gives out mid-merge
         if planned.group == "layers.1":
             raise RuntimeError("injected fault: the disk went away")
-        return write(self, planned, tensor)
+        return write(self, planned, start, tensor)
 
-    monkeypatch.setattr(TensorWriter, "write", disk_fails_during_layers_1)
+    monkeypatch.setattr(TensorWriter, "write_rows", disk_fails_during_layers_1)
     assert execute(promote_checkpoint, flow_run.id).is_failed()
     assert not target.exists()
-    monkeypatch.setattr(TensorWriter, "write", write)
+    monkeypatch.setattr(TensorWriter, "write_rows", write)
 
     reply = httpx.post(f"{PREFECT_API_URL.value()}/flow_runs/{flow_run.id}/set_state", json={
         "state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message": "Retry from the UI"}, "force": True})
