@@ -7,6 +7,7 @@ FSDP1 without a mesh -> ShardedTensor; a single GPU -> plain tensors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from functools import cached_property
 
@@ -144,23 +145,20 @@ class FsdpCheckpoint(CheckpointSource):
         table: dict[str, list[Piece]] = {}
         for rank, state in enumerate(self._states):
             shown = str(self.rank_location(rank))
+            coordinates = _MeshCoordinates(rank, shown)
             for name, value in state.items():
-                table.setdefault(name, []).extend(self._pieces_of(name, value, rank, shown))
+                table.setdefault(name, []).extend(self._pieces_of(name, value, coordinates, shown))
         return table
 
-    def _pieces_of(self, name: str, value, rank: int, shown: str) -> list[Piece]:
+    def _pieces_of(self, name: str, value, coordinates: _MeshCoordinates, shown: str) -> list[Piece]:
         if isinstance(value, DTensorRecord):
-            mesh = value.device_mesh.mesh
-            where = np.argwhere(mesh == rank)
-            if len(where) != 1:
-                raise CheckpointError(f"{shown}: tensor {name} has a device mesh {mesh.tolist()} without rank {rank}")
-            coordinate = tuple(where[0].tolist())
-            offsets, sizes = dtensor_region(value.shape, tuple(mesh.shape), coordinate, value.placements)
+            mesh_shape, coordinate = coordinates.of(value.device_mesh, name)
+            offsets, sizes = dtensor_region(value.shape, mesh_shape, coordinate, value.placements)
             local = value.local
             if tuple(local.shape) != sizes:
                 raise CheckpointError(
                     f"{shown}: tensor {name} holds a shard of shape {tuple(local.shape)} but {_placement_text(value.placements)} "
-                    f"on mesh {tuple(mesh.shape)} gives {sizes}; the file does not belong to this world size"
+                    f"on mesh {mesh_shape} gives {sizes}; the file does not belong to this world size"
                 )
             primary = all(c == 0 for c, p in zip(coordinate, value.placements) if p.is_replicate())
             return [Piece(shown, offsets, sizes, local, primary)]
@@ -170,7 +168,7 @@ class FsdpCheckpoint(CheckpointSource):
                 for s in value.local_shards
             ]
         if isinstance(value, np.ndarray):
-            return [Piece(shown, (0,) * value.ndim, tuple(value.shape), value, primary=rank == 0)]
+            return [Piece(shown, (0,) * value.ndim, tuple(value.shape), value, primary=coordinates.rank == 0)]
         raise CheckpointError(f"{shown}: entry {name} is a {type(value).__name__}, not a tensor")
 
     @cached_property
@@ -243,11 +241,8 @@ class FsdpCheckpoint(CheckpointSource):
                 raise CheckpointError(f"{piece.source}: tensor {name} shard shape {tuple(piece.tensor.shape)} != {piece.sizes}")
             if any(o + s > g for o, s, g in zip(piece.offsets, piece.sizes, info.shape)):
                 raise CheckpointError(f"{piece.source}: tensor {name} shard at {piece.offsets} exceeds {info.shape}")
-            volume = 1
-            for s in piece.sizes:
-                volume *= s
-            covered += volume
-        overlap = any(_overlaps(a, b) for i, a in enumerate(primary) for b in primary[i + 1:])
+            covered += math.prod(piece.sizes)
+        overlap = _any_overlap(primary)
         if covered != info.numel or overlap:
             raise CheckpointError(
                 f"{self.location}: the shards of tensor {name} do not tile its global shape {info.shape} "
@@ -282,8 +277,63 @@ class FsdpCheckpoint(CheckpointSource):
         }
 
 
-def _overlaps(a: Piece, b: Piece) -> bool:
-    if 0 in a.sizes or 0 in b.sizes:
-        return False
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+class _MeshCoordinates:
+    """Where one rank sits on each device mesh of its file. A rank file's DTensors share one pickled
+    mesh, so the grid is searched once per mesh, not once per tensor."""
 
+    def __init__(self, rank: int, shown: str):
+        self.rank, self.shown = rank, shown
+        self._found: dict[int, tuple[object, tuple[int, ...], tuple[int, ...]]] = {}
+
+    def of(self, mesh_record, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(mesh shape, this rank's coordinate) on `mesh_record`; `name` only words the error."""
+        known = self._found.get(id(mesh_record))
+        if known is None or known[0] is not mesh_record:
+            known = (mesh_record, *self._locate(mesh_record, name))
+            self._found[id(mesh_record)] = known
+        return known[1], known[2]
+
+    def _locate(self, mesh_record, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        try:
+            mesh = mesh_record.mesh
+            where = np.argwhere(mesh == self.rank)
+        except (AttributeError, TypeError, ValueError, IndexError, MemoryError) as err:
+            raise CheckpointError(
+                f"{self.shown}: tensor {name} has a device mesh that cannot be read ({type(err).__name__}); "
+                "the file is damaged or not a verl FSDP rank file: copy it again"
+            ) from None
+        if len(where) != 1:
+            raise CheckpointError(f"{self.shown}: tensor {name} has a device mesh {mesh.tolist()} without rank {self.rank}")
+        saved_by = getattr(mesh_record, "_rank", None)  # torch >= 2.4 pickles the saving rank with the mesh
+        if type(saved_by) is int and saved_by != self.rank:
+            raise CheckpointError(
+                f"{self.shown}: was saved by rank {saved_by}, not rank {self.rank} as its name says; "
+                "a rank file was copied or renamed: copy every rank file again from where training saved them"
+            )
+        return tuple(mesh.shape), tuple(where[0].tolist())
+
+
+def _any_overlap(pieces: list[Piece]) -> bool:
+    """Whether two non-empty pieces share an element: a sweep along the dimension where the pieces
+    start at the most places, comparing each piece only with those still open there. For the
+    layouts FSDP writes (a grid of shards) that is O(n log n) instead of all n^2 pairs."""
+    boxes = [(p.offsets, p.sizes) for p in pieces if 0 not in p.sizes]
+    if len(boxes) < 2:
+        return False
+    if not boxes[0][0]:  # scalars: two pieces of one scalar always overlap
+        return True
+    axis = max(range(len(boxes[0][0])), key=lambda d: len({offsets[d] for offsets, _ in boxes}))
+    boxes.sort(key=lambda box: box[0][axis])
+    open_boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for box in boxes:
+        start = box[0][axis]
+        open_boxes = [other for other in open_boxes if other[0][axis] + other[1][axis] > start]
+        if any(_overlaps(box, other) for other in open_boxes):
+            return True
+        open_boxes.append(box)
+    return False
+
+
+def _overlaps(a: tuple, b: tuple) -> bool:
+    (a_offsets, a_sizes), (b_offsets, b_sizes) = a, b
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_offsets, a_sizes, b_offsets, b_sizes))
