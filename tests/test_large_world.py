@@ -26,10 +26,11 @@ def test_rank_files_are_real_fsdp2_dtensors(world256):
     import torch.distributed.tensor  # noqa: F401  (registers DTensor for unpickling)
 
     state = torch.load(world256.role_dir / f"model_world_size_{WORLD}_rank_7.pt", weights_only=True, mmap=True)
-    embed, k_proj = state["model.embed_tokens.weight"], state["model.layers.0.self_attn.k_proj.weight"]
+    embed, q_proj = state["model.embed_tokens.weight"], state["model.layers.0.self_attn.q_proj.weight"]
     assert embed.device_mesh.shape == (WORLD,) and embed.device_mesh.mesh_dim_names == ("fsdp",)
-    assert embed.device_mesh.get_coordinate() == [7]
-    assert str(embed.placements[0]) == "S(0)" and str(k_proj.placements[0]) == "S(1)"  # verl's placement function
+    assert tuple(embed.device_mesh.get_coordinate()) == (7,)
+    # verl's placement function: vocab 16000 does not divide by 256, hidden 256 does
+    assert str(embed.placements[0]) == "S(1)" and str(q_proj.placements[0]) == "S(0)"
     assert len(state) == 51
 
 
@@ -46,11 +47,13 @@ def test_w256_merge_equals_the_saved_model(world256, tmp_path):
 
 
 def test_w256_shards_tile_each_tensor_once(world256):
-    """Uneven torch.chunk sizing at W=256: vocab 16000 gives 253 ranks of 63 rows, one of 61 and two empty."""
+    """Uneven torch.chunk sizing at W=256: a 128-row bias gives 128 ranks one row and 128 ranks none;
+    the embedding, Shard(1), one column per rank."""
     source = open_checkpoint(str(world256.role_dir))
-    rows = [p.sizes[0] for p in source.pieces("model.embed_tokens.weight")]
-    assert len(rows) == WORLD and sum(rows) == 16000
-    assert rows[:253] == [63] * 253 and rows[253] == 16000 - 63 * 253 and rows[254:] == [0, 0]
+    rows = [p.sizes[0] for p in source.pieces("model.layers.0.self_attn.k_proj.bias")]
+    assert rows == [1] * 128 + [0] * 128
+    columns = [(p.offsets[1], p.sizes) for p in source.pieces("model.embed_tokens.weight")]
+    assert columns == [(rank, (16000, 1)) for rank in range(WORLD)]
 
 
 def _resave_rank(world, target_dir, rank: int, from_rank: int, mesh_order: list[int]) -> None:

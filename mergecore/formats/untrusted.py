@@ -69,6 +69,15 @@ class AllowListUnpickler(pickle.Unpickler):
         self.allowed, self.storage, self.file_bytes, self.what = allowed, storage, file_bytes, what
         self._made: dict[tuple[str, str], object] = {}
 
+    def load(self):
+        try:
+            return super().load()
+        finally:
+            # the resolvers made for this file close over the unpickler, and the memo holds them: left in
+            # place, that cycle keeps every object of the file alive until a cycle collection finds it
+            self._made.clear()
+            self.memo.clear()
+
     def find_class(self, module: str, name: str):
         if (module, name) not in self._made:
             value = _lookup(self.allowed, module, name)
@@ -129,8 +138,12 @@ class Record:
         parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)  # (dict, slots) form
         for part in parts:
             if isinstance(part, dict):
-                for key in part:
-                    self._check_field(key)
+                # a rank file restores the same few fields on thousands of records: check each name once per class
+                checked = _CHECKED_FIELDS.setdefault(type(self), set())
+                if not checked.issuperset(part):
+                    for key in part:
+                        self._check_field(key)
+                        checked.add(str(key))
                 self.__dict__.update(part)
             elif part is not None:
                 self.state = part
@@ -144,6 +157,9 @@ class Record:
 
     def __repr__(self):
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items() if k != 'args')})"
+
+
+_CHECKED_FIELDS: dict[type, set[str]] = {}  # Record class -> field names `_check_field` accepted
 
 
 def inert(prefix: str = "inert.") -> Resolver:
