@@ -73,8 +73,10 @@ def main() -> None:
             PYTHON, str(HERE / "ckptflow_merge.py"), "merge", "--dtype", "bf16", "--local_dir", str(role),
             "--target_dir", str(out)], out, args.repeat, role)}
         if not args.skip_verl:
-            results[world]["verl"] = run("verl-style merger", [
-                PYTHON, str(HERE / "verl_style_merge.py"), str(role), str(out)], out, args.repeat, role)
+            # torch warns once per rank file while unpickling DeviceMeshes: 1024 warnings would fill the
+            # stderr pipe measure() reads only at the end, and the merger would block on it forever
+            quiet = f"exec {PYTHON} {HERE / 'verl_style_merge.py'} {role} {out} 2>{args.work / 'verl-stderr.txt'}"
+            results[world]["verl"] = run("verl-style merger", ["bash", "-c", quiet], out, args.repeat, role)
 
     big, small = results[1024], results[256]
     print("\nratios (goals from issue 12 in brackets)")
