@@ -13,7 +13,7 @@ The model is a tiny Qwen2 from a seeded init (no training step: the sharding, no
 what is under test); `reference/` is its `save_pretrained`, the independent ground truth.
 Only the model files are written (no optimizer or extra-state files: a merge never reads them).
 
->>> world = write_large_world(tmp / "w256", world_size=256)   # doctest: +SKIP
+>>> world = write_large_world(tmp / "w256", LargeWorldSpec(world_size=256))   # doctest: +SKIP
 >>> sorted(p.name for p in world.role_dir.glob("model_*"))[:1]  # doctest: +SKIP
 ['model_world_size_256_rank_0.pt']
 """

@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterator
-from typing import NamedTuple
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
