@@ -7,8 +7,11 @@ FSDP1 without a mesh -> ShardedTensor; a single GPU -> plain tensors.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections.abc import Iterator
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
@@ -68,10 +71,35 @@ def _global_view(value) -> tuple[tuple[int, ...], str]:
     return (), type(value).__name__
 
 
-def _layout_text(value) -> str:
+def _layout_text(value, coordinates: _MeshCoordinates, name: str) -> str:
     if isinstance(value, DTensorRecord):
-        return f"DTensor{_placement_text(value.placements)} mesh {tuple(value.device_mesh.mesh.shape)}"
+        return f"DTensor{_placement_text(value.placements)} mesh {coordinates.shape(value.device_mesh, name)}"
     return "ShardedTensor(dim 0)" if isinstance(value, ShardedTensorRecord) else "plain"
+
+
+class _Saved(NamedTuple):
+    """One rank's entry, summarised. `layout`, `mesh_ranks` and `pieces` hold the CheckpointError their
+    reading raised instead, so it is raised by the check that asks, in the order the checks run."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    layout: str | CheckpointError
+    mesh_ranks: int | CheckpointError | None
+    pieces: list[Piece] | CheckpointError
+    is_dtensor: bool
+
+
+def _deferred(compute, *args):
+    try:
+        return compute(*args)
+    except CheckpointError as err:
+        return err
+
+
+def _raised(value):
+    if isinstance(value, CheckpointError):
+        raise value
+    return value
 
 
 def _fsdp_config(where: Location) -> dict:
@@ -135,32 +163,47 @@ class FsdpCheckpoint(CheckpointSource):
         return self.location.join(self._rank_names[rank])
 
     @cached_property
-    def _states(self) -> list[dict]:
-        return [load_rank_file(self.rank_location(r).local_file(), str(self.rank_location(r))) for r in range(self.world_size)]
+    def _saved(self) -> list[dict[str, _Saved]]:
+        """Per rank, what the checks and the merge need of each entry. A rank file's records are
+        dropped once summarised: thousands of ranks would otherwise keep millions of small objects
+        alive for Python's cycle collector to rescan; the pieces' arrays stay views of the mapped file."""
+        with _collector_paused():
+            return [self._summarise(rank, load_rank_file(self.rank_location(rank).local_file(), str(self.rank_location(rank))))
+                    for rank in range(self.world_size)]
+
+    def _summarise(self, rank: int, state: dict) -> dict[str, _Saved]:
+        shown = str(self.rank_location(rank))
+        coordinates = _MeshCoordinates(rank, shown)
+        if rank == 0:
+            first = next(iter(state.values()), None)
+            self._first_mesh = first.device_mesh if isinstance(first, DTensorRecord) else None
+        summary = {}
+        for name, value in state.items():
+            shape, dtype = _global_view(value)
+            dtensor = isinstance(value, DTensorRecord)
+            summary[name] = _Saved(shape, dtype, _deferred(_layout_text, value, coordinates, name),
+                                   _deferred(coordinates.size, value.device_mesh, name) if dtensor else None,
+                                   _deferred(self._pieces_of, name, value, coordinates, shown), dtensor)
+        return summary
 
     @cached_property
     def _saved_pieces(self) -> dict[str, list[Piece]]:
         """Every saved tensor's pieces, from metadata alone (values stay mmapped)."""
         table: dict[str, list[Piece]] = {}
-        for rank, state in enumerate(self._states):
-            shown = str(self.rank_location(rank))
-            for name, value in state.items():
-                table.setdefault(name, []).extend(self._pieces_of(name, value, rank, shown))
+        for summary in self._saved:
+            for name, saved in summary.items():
+                table.setdefault(name, []).extend(_raised(saved.pieces))
         return table
 
-    def _pieces_of(self, name: str, value, rank: int, shown: str) -> list[Piece]:
+    def _pieces_of(self, name: str, value, coordinates: _MeshCoordinates, shown: str) -> list[Piece]:
         if isinstance(value, DTensorRecord):
-            mesh = value.device_mesh.mesh
-            where = np.argwhere(mesh == rank)
-            if len(where) != 1:
-                raise CheckpointError(f"{shown}: tensor {name} has a device mesh {mesh.tolist()} without rank {rank}")
-            coordinate = tuple(where[0].tolist())
-            offsets, sizes = dtensor_region(value.shape, tuple(mesh.shape), coordinate, value.placements)
+            mesh_shape, coordinate = coordinates.of(value.device_mesh, name)
+            offsets, sizes = dtensor_region(value.shape, mesh_shape, coordinate, value.placements)
             local = value.local
             if tuple(local.shape) != sizes:
                 raise CheckpointError(
                     f"{shown}: tensor {name} holds a shard of shape {tuple(local.shape)} but {_placement_text(value.placements)} "
-                    f"on mesh {tuple(mesh.shape)} gives {sizes}; the file does not belong to this world size"
+                    f"on mesh {mesh_shape} gives {sizes}; the file does not belong to this world size"
                 )
             primary = all(c == 0 for c, p in zip(coordinate, value.placements) if p.is_replicate())
             return [Piece(shown, offsets, sizes, local, primary)]
@@ -170,16 +213,13 @@ class FsdpCheckpoint(CheckpointSource):
                 for s in value.local_shards
             ]
         if isinstance(value, np.ndarray):
-            return [Piece(shown, (0,) * value.ndim, tuple(value.shape), value, primary=rank == 0)]
+            return [Piece(shown, (0,) * value.ndim, tuple(value.shape), value, primary=coordinates.rank == 0)]
         raise CheckpointError(f"{shown}: entry {name} is a {type(value).__name__}, not a tensor")
 
     @cached_property
     def _saved_infos(self) -> dict[str, TensorInfo]:
-        infos = {}
-        for name, value in self._states[0].items():
-            shape, dtype = _global_view(value)
-            infos[name] = TensorInfo(name, shape, dtype, _layout_text(value))
-        return infos
+        return {name: TensorInfo(name, saved.shape, saved.dtype, _raised(saved.layout))
+                for name, saved in self._saved[0].items()}
 
     def tensors(self) -> dict[str, TensorInfo]:
         """The saved names (transformers' in-memory layout; PEFT names for LoRA): `mergecore.merge.merge_view`
@@ -203,10 +243,10 @@ class FsdpCheckpoint(CheckpointSource):
                 self._check_replicas(name)
 
     def _check_same_keys(self) -> None:
-        expected = set(self._states[0])
-        for rank, state in enumerate(self._states[1:], start=1):
-            if set(state) != expected:
-                odd = sorted(set(state) ^ expected)[0]
+        expected = set(self._saved[0])
+        for rank, summary in enumerate(self._saved[1:], start=1):
+            if set(summary) != expected:
+                odd = sorted(set(summary) ^ expected)[0]
                 where = "missing from" if odd in expected else "only in"
                 raise CheckpointError(
                     f"{self.rank_location(rank)}: tensor {odd} is {where} this rank (rank 0 differs); "
@@ -214,40 +254,42 @@ class FsdpCheckpoint(CheckpointSource):
                 )
 
     def _check_same_global_view(self, name: str, info: TensorInfo) -> None:
-        for rank, state in enumerate(self._states):
-            value = state[name]
-            shape, dtype = _global_view(value)
-            if shape != info.shape or dtype != info.dtype:
+        for rank, summary in enumerate(self._saved):
+            saved = summary[name]
+            if saved.shape != info.shape or saved.dtype != info.dtype:
                 raise CheckpointError(
-                    f"{self.rank_location(rank)}: tensor {name} is {tuple(shape)} {dtype} here but {info.shape} "
+                    f"{self.rank_location(rank)}: tensor {name} is {tuple(saved.shape)} {saved.dtype} here but {info.shape} "
                     f"{info.dtype} on rank 0; rank files come from different saves: re-copy the checkpoint"
                 )
-            if isinstance(value, DTensorRecord):
-                layout = _layout_text(value)
+            if saved.is_dtensor:
+                layout = _raised(saved.layout)
                 if layout != info.layout:
                     raise CheckpointError(
                         f"{self.rank_location(rank)}: tensor {name} is {layout} here but {info.layout} on rank 0"
                     )
-                if value.device_mesh.mesh.size != self.world_size:
+                mesh_ranks = _raised(saved.mesh_ranks)
+                if mesh_ranks != self.world_size:
                     raise CheckpointError(
-                        f"{self.rank_location(rank)}: device mesh of {value.device_mesh.mesh.size} ranks in a "
+                        f"{self.rank_location(rank)}: device mesh of {mesh_ranks} ranks in a "
                         f"checkpoint of world size {self.world_size}; fix fsdp_config.json or the file names"
                     )
 
     def _check_tiling(self, name: str, info: TensorInfo) -> None:
         """The primary pieces must cover the global tensor exactly once."""
         primary = [p for p in self._saved_pieces[name] if p.primary]
-        covered = 0
         for piece in primary:
             if tuple(piece.tensor.shape) != piece.sizes:
                 raise CheckpointError(f"{piece.source}: tensor {name} shard shape {tuple(piece.tensor.shape)} != {piece.sizes}")
-            if any(o + s > g for o, s, g in zip(piece.offsets, piece.sizes, info.shape)):
-                raise CheckpointError(f"{piece.source}: tensor {name} shard at {piece.offsets} exceeds {info.shape}")
-            volume = 1
-            for s in piece.sizes:
-                volume *= s
-            covered += volume
-        overlap = any(_overlaps(a, b) for i, a in enumerate(primary) for b in primary[i + 1:])
+            if len(piece.offsets) != len(info.shape):
+                raise CheckpointError(f"{piece.source}: tensor {name} shard at {piece.offsets} does not match {info.shape}")
+        offsets, sizes = _boxes(primary, len(info.shape))
+        outside = np.flatnonzero(((offsets + sizes) > np.asarray(info.shape, dtype=np.int64)).any(axis=1)
+                                 | (offsets < 0).any(axis=1))
+        if len(outside):
+            piece = primary[outside[0]]
+            raise CheckpointError(f"{piece.source}: tensor {name} shard at {piece.offsets} exceeds {info.shape}")
+        covered = int(np.prod(sizes, axis=1).sum())
+        overlap = _any_overlap(offsets, sizes)
         if covered != info.numel or overlap:
             raise CheckpointError(
                 f"{self.location}: the shards of tensor {name} do not tile its global shape {info.shape} "
@@ -265,10 +307,10 @@ class FsdpCheckpoint(CheckpointSource):
 
     def describe(self) -> dict:
         mesh_shape, mesh_names = [self.world_size], None
-        first = next(iter(self._states[0].values()), None)
-        if isinstance(first, DTensorRecord):
-            mesh_shape = list(first.device_mesh.mesh.shape)
-            mesh_names = list(first.device_mesh.mesh_dim_names or [])
+        self._saved  # noqa: B018 (reads rank 0's mesh)
+        if self._first_mesh is not None:
+            mesh_shape = list(self._first_mesh.mesh.shape)
+            mesh_names = list(self._first_mesh.mesh_dim_names or [])
         return {
             "format": self.format_name,
             "location": str(self.location),
@@ -282,8 +324,106 @@ class FsdpCheckpoint(CheckpointSource):
         }
 
 
-def _overlaps(a: Piece, b: Piece) -> bool:
-    if 0 in a.sizes or 0 in b.sizes:
-        return False
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cycle collector off while thousands of rank files become records: it would rescan
+    every record already made, again and again (2.2x the load time at W=1024). Records hold no
+    cycles, so nothing is left for it to find; it is back on afterwards."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
+
+class _MeshCoordinates:
+    """Where one rank sits on each device mesh of its file. A rank file's DTensors share one pickled
+    mesh, so the grid is searched once per mesh, not once per tensor."""
+
+    def __init__(self, rank: int, shown: str):
+        self.rank, self.shown = rank, shown
+        self._found: dict[int, tuple[object, tuple[int, ...], tuple[int, ...]]] = {}
+
+    def of(self, mesh_record, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(mesh shape, this rank's coordinate) on `mesh_record`; `name` only words the error."""
+        known = self._found.get(id(mesh_record))
+        if known is None or known[0] is not mesh_record:
+            known = (mesh_record, *self._locate(mesh_record, name))
+            self._found[id(mesh_record)] = known
+        return known[1], known[2]
+
+    def shape(self, mesh_record, name: str) -> tuple[int, ...]:
+        return tuple(self._grid(mesh_record, name).shape)
+
+    def size(self, mesh_record, name: str) -> int:
+        return int(self._grid(mesh_record, name).size)
+
+    def _grid(self, mesh_record, name: str) -> np.ndarray:
+        try:
+            return np.asarray(mesh_record.mesh)
+        except (AttributeError, TypeError, ValueError, IndexError, MemoryError) as err:
+            raise CheckpointError(
+                f"{self.shown}: tensor {name} has a device mesh that cannot be read ({type(err).__name__}); "
+                "the file is damaged or not a verl FSDP rank file: copy it again"
+            ) from None
+
+    def _locate(self, mesh_record, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        mesh = self._grid(mesh_record, name)
+        where = np.argwhere(mesh == self.rank)
+        if len(where) != 1:
+            raise CheckpointError(f"{self.shown}: tensor {name} has a device mesh {mesh.tolist()} without rank {self.rank}")
+        saved_by = getattr(mesh_record, "_rank", None)  # torch >= 2.4 pickles the saving rank with the mesh
+        if type(saved_by) is int and saved_by != self.rank:
+            raise CheckpointError(
+                f"{self.shown}: was saved by rank {saved_by}, not rank {self.rank} as its name says; "
+                "a rank file was copied or renamed: copy every rank file again from where training saved them"
+            )
+        return tuple(mesh.shape), tuple(where[0].tolist())
+
+
+def _boxes(pieces: list[Piece], ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pieces' offsets and sizes as (n, ndim) int64 arrays."""
+    try:
+        offsets = np.array([p.offsets for p in pieces], dtype=np.int64).reshape(len(pieces), ndim)
+        sizes = np.array([p.sizes for p in pieces], dtype=np.int64).reshape(len(pieces), ndim)
+    except OverflowError:
+        raise CheckpointError(f"{pieces[0].source}: a shard offset does not fit in 64 bits; the file is damaged") from None
+    return offsets, sizes
+
+
+def _any_overlap(offsets: np.ndarray, sizes: np.ndarray) -> bool:
+    """Whether two non-empty boxes share an element, by sorting their starts along the dimension where
+    they start at the most places. The layouts FSDP writes (shards along one dimension) are decided
+    there in O(n log n); other layouts go on to a sweep that compares each box only with the boxes
+    still open at its start, never all n^2 pairs."""
+    keep = (sizes > 0).all(axis=1)
+    offsets, sizes = offsets[keep], sizes[keep]
+    if len(offsets) < 2:
+        return False
+    if offsets.shape[1] == 0:  # scalars: two pieces of one scalar always overlap
+        return True
+    axis = max(range(offsets.shape[1]), key=lambda d: len(np.unique(offsets[:, d])))
+    order = np.argsort(offsets[:, axis], kind="stable")
+    offsets, sizes = offsets[order], sizes[order]
+    starts, ends = offsets[:, axis], offsets[:, axis] + sizes[:, axis]
+    if (starts[1:] >= np.maximum.accumulate(ends)[:-1]).all():
+        return False  # apart along this axis already
+    return _sweep_finds_overlap(offsets.tolist(), sizes.tolist(), axis)
+
+
+def _sweep_finds_overlap(offsets: list, sizes: list, axis: int) -> bool:
+    """Boxes sorted by their start along `axis`: each is compared with the boxes still open there."""
+    open_boxes: list[int] = []
+    for i, (box_offsets, box_sizes) in enumerate(zip(offsets, sizes)):
+        start = box_offsets[axis]
+        open_boxes = [j for j in open_boxes if offsets[j][axis] + sizes[j][axis] > start]
+        if any(_overlaps(box_offsets, box_sizes, offsets[j], sizes[j]) for j in open_boxes):
+            return True
+        open_boxes.append(i)
+    return False
+
+
+def _overlaps(a_offsets, a_sizes, b_offsets, b_sizes) -> bool:
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_offsets, a_sizes, b_offsets, b_sizes))

@@ -70,6 +70,15 @@ class AllowListUnpickler(pickle.Unpickler):
         self.allowed, self.storage, self.file_bytes, self.what = allowed, storage, file_bytes, what
         self._made: dict[tuple[str, str], object] = {}
 
+    def load(self):
+        try:
+            return super().load()
+        finally:
+            # the resolvers made for this file close over the unpickler, and the memo holds them: left in
+            # place, that cycle keeps every object of the file alive until a cycle collection finds it
+            self._made.clear()
+            self.memo.clear()
+
     def find_class(self, module: str, name: str):
         if (module, name) not in self._made:
             value = _lookup(self.allowed, module, name)
@@ -130,8 +139,12 @@ class Record:
         parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)  # (dict, slots) form
         for part in parts:
             if isinstance(part, dict):
-                for key in part:
-                    self._check_field(key)
+                # a rank file restores the same few fields on thousands of records: check each name once per class
+                checked = _CHECKED_FIELDS.setdefault(type(self), set())
+                if not checked.issuperset(part):
+                    for key in part:
+                        self._check_field(key)
+                        checked.add(str(key))
                 self.__dict__.update(part)
             elif part is not None:
                 self.state = part
@@ -145,6 +158,9 @@ class Record:
 
     def __repr__(self):
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items() if k != 'args')})"
+
+
+_CHECKED_FIELDS: dict[type, set[str]] = {}  # Record class -> field names `_check_field` accepted
 
 
 def inert(prefix: str = "inert.") -> Resolver:
@@ -198,20 +214,31 @@ class OtherPlacement(_Placement):
 
 class MeshRecord(Record):
     """A pickled DeviceMesh. Older torch pickles the rank grid (`mesh`); 2.13 pickles a flat `_rank_map`
-    plus a `_layout` of (size, stride) per mesh dimension, which `mesh` turns back into the grid."""
+    plus a `_layout` of (size, stride) per mesh dimension, which `mesh` turns back into the grid.
+
+    Every DTensor of a rank file shares one pickled mesh, and a merge asks for its grid once per
+    tensor: the grid is built once per record and kept (read-only) under a dunder key, which a
+    pickle cannot set (`Record._check_field`)."""
 
     @property
     def mesh(self) -> np.ndarray:
+        grid = self.__dict__.get(_GRID)
+        if grid is None:
+            grid = np.array(self._rank_grid())  # a copy: the pickled rank map itself is never aliased
+            grid.flags.writeable = False
+            self.__dict__[_GRID] = grid
+        return grid
+
+    def _rank_grid(self) -> np.ndarray:
         if "mesh" in self.__dict__:
             return np.asarray(self.__dict__["mesh"])
         rank_map = np.asarray(self._rank_map).reshape(-1)
         # Each mesh dimension is a flat layout: its coordinate enumerates the (size, stride) modes
         # lexicographically (a size-1 dimension has no modes) and picks rank_map[sum(coordinate * stride)].
-        axes = [np.array([sum(c * t for c, t in zip(coordinate, _tuple(axis.stride)))
-                          for coordinate in itertools.product(*(range(n) for n in _tuple(axis.shape)))])
-                for axis in self._layout.axes]
-        offsets = sum(np.reshape(a, [-1 if d == i else 1 for d in range(len(axes))]) for i, a in enumerate(axes))
-        offsets = np.asarray(offsets).reshape([len(a) for a in axes])
+        axes = [_flat_offsets(_tuple(axis.shape), _tuple(axis.stride)) for axis in self._layout.axes]
+        offsets = np.zeros([len(a) for a in axes], dtype=np.int64)
+        for i, a in enumerate(axes):
+            offsets = offsets + np.reshape(a, [-1 if d == i else 1 for d in range(len(axes))])
         where = getattr(self, "_coordinate_on_dim", None)
         if getattr(self, "_rank", None) is not None and where:  # a sub-mesh: the slice that holds this rank
             offsets = offsets + int(np.flatnonzero(rank_map == self._rank)[0]) - int(offsets[tuple(where)])
@@ -220,6 +247,17 @@ class MeshRecord(Record):
     @property
     def mesh_dim_names(self):
         return getattr(self, "_mesh_dim_names", None) or getattr(self, "mesh_dim_names", None)
+
+
+_GRID = "__rank_grid"
+
+
+def _flat_offsets(shape: tuple, stride: tuple) -> np.ndarray:
+    """`sum(coordinate * stride)` for every coordinate of `shape`, in lexicographic order."""
+    offsets = np.zeros(1, dtype=np.int64)
+    for size, step in zip(shape, stride):
+        offsets = (offsets[:, None] + np.arange(size, dtype=np.int64) * step).reshape(-1)
+    return offsets
 
 
 def _tuple(value) -> tuple:
