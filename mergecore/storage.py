@@ -1,6 +1,8 @@
 """Where checkpoints live: any fsspec URL, read through one small `Location` type.
 
-Local files are used in place (so they can be mmapped). Remote files are copied into a local cache
+Local files are used in place (so they can be mmapped). Remote FSDP rank files are read by byte range
+(`RangeFile`): only the ranges a merge needs are downloaded, into a sparse local file that is mmapped like
+a local one. Other remote files (Megatron's, huggingface/ files) are copied whole into a local cache
 folder and mmapped from there: disk, not RAM, holds them. A copy is named after the URL *and* the
 file's fingerprint (size + etag/mtime), so a file rewritten at the same URL is fetched again and
 never read stale; copies are downloaded under a temporary name, checked for size and renamed into
@@ -18,6 +20,8 @@ import json
 import os
 import posixpath
 import tempfile
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -219,3 +223,138 @@ def _identity(info: dict) -> dict:
 def _one_line(error: BaseException) -> str:
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+# ---- range reads -------------------------------------------------------------------------------
+
+RANGE_CHUNK = 16 << 20  # largest single range request: bounds the bytes in flight per request
+RANGE_BATCH = 8         # requests sent together (s3fs runs them concurrently): <= 128 MiB in memory
+RANGE_GAP = 64 << 10    # nearby ranges are fetched as one request (fewer round trips, few extra bytes)
+
+
+class RangeFile:
+    """A remote file read by byte ranges, on demand, into a sparse local file of the same size.
+
+    Only the ranges asked for (`fetch`) are downloaded, each once per process; the sparse file
+    can be mmapped like a local file (`path`), so readers keep their numpy views. It lives in the
+    cache folder but is unlinked at once: no other process ever sees it, so a half-written range
+    can never be trusted later, and nothing is left behind; its space is freed when the last
+    reader (a checkpoint object and its mapped arrays) is gone. Memory holds at most RANGE_BATCH
+    requests of RANGE_CHUNK bytes; the rest is page cache over the sparse file.
+
+    One per URL *and* fingerprint (`RangeFile.of`): a file rewritten at the same URL gets a new one,
+    so stale bytes are never read.
+
+    >>> rank = RangeFile.of(Location.of("s3://ckpts/run/actor/model_world_size_2_rank_0.pt"))  # doctest: +SKIP
+    >>> rank.fetch([(0, 4096)]); open(rank.path, "rb").read(4)                                   # doctest: +SKIP
+    b'PK\\x03\\x04'
+    """
+
+    # Weak: a range file (and its disk space) lasts as long as a checkpoint reading it, not the process.
+    _open: weakref.WeakValueDictionary[str, RangeFile] = weakref.WeakValueDictionary()
+    _registry_lock = threading.Lock()
+
+    def __init__(self, location: Location, info: dict, cache_dir: str | os.PathLike | None = None):
+        self.location, self.identity = location, _identity(info)
+        self.size = int(info["size"])
+        folder = Path(cache_dir) if cache_dir else default_cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        self._fd, name = tempfile.mkstemp(dir=folder, prefix=f"{location._url_key()}-ranges-")
+        os.unlink(name)
+        os.ftruncate(self._fd, self.size)
+        self._present: list[tuple[int, int]] = []  # sorted, disjoint [start, end) already written
+        self._lock = threading.Lock()
+        self.fetched_bytes = 0
+
+    @classmethod
+    def of(cls, location: Location, cache_dir: str | os.PathLike | None = None) -> RangeFile:
+        """The range file of `location`'s current version (its fingerprint is read afresh)."""
+        fs, path = location._fs_path
+        info = location._reading(fs, "stat", lambda: Location._fresh_info(fs, path))
+        with cls._registry_lock:
+            known = cls._open.get(location.url)
+            if known is None or known.identity != _identity(info):
+                known = cls._open[location.url] = RangeFile(location, info, cache_dir)  # an older one closes when unused
+            return known
+
+    @property
+    def path(self) -> str:
+        """A path that opens the sparse file (through this process's descriptor)."""
+        return f"/proc/self/fd/{self._fd}"
+
+    def missing(self, ranges) -> list[tuple[int, int]]:
+        """The parts of `ranges` not fetched yet."""
+        gaps = []
+        for start, end in sorted(ranges):
+            for have_start, have_end in self._present:
+                if have_end <= start or have_start >= end:
+                    continue
+                if have_start > start:
+                    gaps.append((start, have_start))
+                start = max(start, have_end)
+            if start < end:
+                gaps.append((start, end))
+        return gaps
+
+    def fetch(self, ranges) -> int:
+        """Make the bytes of `ranges` ([start, end) pairs) present in the sparse file; returns bytes downloaded."""
+        with self._lock:
+            gaps = self.missing([(max(0, s), min(self.size, e)) for s, e in ranges if e > s])
+            if not gaps:
+                return 0
+            fs, path = self.location._fs_path
+            requests = _requests(gaps)
+            for first in range(0, len(requests), RANGE_BATCH):
+                batch = requests[first:first + RANGE_BATCH]
+                blobs = self.location._reading(fs, "read", lambda: _cat_ranges(fs, path, batch))
+                for (start, end), blob in zip(batch, blobs):
+                    if len(blob) != end - start:
+                        raise RemoteReadError(f"{self.location}: asked for bytes {start}-{end}, got {len(blob)}; the file "
+                                              "changed while it was read: run again")
+                    os.pwrite(self._fd, blob, start)
+                    self._present = _merged(self._present + [(start, end)])
+                    self.fetched_bytes += len(blob)
+            return sum(e - s for s, e in requests)
+
+    def check_unchanged(self) -> None:
+        """Raise when the remote file is no longer the version being read (rewritten meanwhile)."""
+        if RangeFile.of(self.location) is not self:
+            raise RemoteReadError(f"{self.location}: was rewritten while it was being read; run again to read the new version")
+
+    def __del__(self):
+        try:
+            os.close(self._fd)
+        except (OSError, AttributeError):
+            pass
+
+
+def _requests(gaps: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`gaps` joined when close (RANGE_GAP) and cut into requests of at most RANGE_CHUNK bytes."""
+    joined: list[list[int]] = []
+    for start, end in gaps:
+        if joined and start - joined[-1][1] <= RANGE_GAP and end - joined[-1][0] <= RANGE_CHUNK:
+            joined[-1][1] = max(joined[-1][1], end)
+        else:
+            joined.append([start, end])
+    requests = []
+    for start, end in joined:
+        requests += [(s, min(end, s + RANGE_CHUNK)) for s in range(start, end, RANGE_CHUNK)]
+    return requests
+
+
+def _cat_ranges(fs: fsspec.AbstractFileSystem, path: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+    blobs = fs.cat_ranges([path] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges], on_error="raise")
+    for blob in blobs:
+        if isinstance(blob, BaseException):
+            raise blob
+    return blobs
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out

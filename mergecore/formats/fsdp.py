@@ -14,10 +14,10 @@ import numpy as np
 
 from ..arrays import bitwise_equal
 from ..errors import CheckpointError
-from ..storage import Location
+from ..storage import Location, RangeFile
 from .base import CheckpointSource, Piece, TensorInfo
 from .detect import FSDP_RANK_FILE as RANK_FILE
-from .torchfile import DTensorRecord, ShardedTensorRecord, load
+from .torchfile import DTensorRecord, ShardedTensorRecord, fetch_archive_metadata, load, mapped_span
 
 
 def load_rank_file(path: str, shown_as: str) -> dict:
@@ -136,7 +136,34 @@ class FsdpCheckpoint(CheckpointSource):
 
     @cached_property
     def _states(self) -> list[dict]:
-        return [load_rank_file(self.rank_location(r).local_file(), str(self.rank_location(r))) for r in range(self.world_size)]
+        return [self._load_rank(r) for r in range(self.world_size)]
+
+    def _load_rank(self, rank: int) -> dict:
+        """A local rank file is mapped in place; a remote one is read by range (`RangeFile`): its archive
+        directory and pickle now, each tensor's bytes when its pieces are asked for (`_fetched`)."""
+        location, shown = self.rank_location(rank), str(self.rank_location(rank))
+        if location.is_local:
+            return load_rank_file(location.local_file(), shown)
+        remote = RangeFile.of(location)
+        fetch_archive_metadata(remote.fetch, remote.path, remote.size, shown)
+        self._range_files[shown] = remote
+        return load_rank_file(remote.path, shown)
+
+    @cached_property
+    def _range_files(self) -> dict[str, RangeFile]:
+        return {}
+
+    def _fetched(self, pieces: list[Piece]) -> list[Piece]:
+        """`pieces`, their bytes downloaded first when they come from remote rank files (one batch per file)."""
+        if self._range_files:
+            spans: dict[str, list[tuple[int, int]]] = {}
+            for piece in pieces:
+                span = mapped_span(piece.tensor)
+                if span and piece.source in self._range_files:
+                    spans.setdefault(piece.source, []).append(span)
+            for source, ranges in spans.items():
+                self._range_files[source].fetch(ranges)
+        return pieces
 
     @cached_property
     def _saved_pieces(self) -> dict[str, list[Piece]]:
@@ -187,7 +214,7 @@ class FsdpCheckpoint(CheckpointSource):
         return self._saved_infos
 
     def pieces(self, name: str) -> Iterator[Piece]:
-        return iter(self._saved_pieces[name])
+        return iter(self._fetched(self._saved_pieces[name]))
 
     def input_files(self, names=None) -> list[Location]:
         return [self.rank_location(r) for r in range(self.world_size)]  # every rank holds a slice of every tensor
@@ -256,7 +283,7 @@ class FsdpCheckpoint(CheckpointSource):
 
     def _check_replicas(self, name: str) -> None:
         primary = {p.offsets: p for p in self._saved_pieces[name] if p.primary}
-        for piece in self._saved_pieces[name]:
+        for piece in self._fetched(self._saved_pieces[name]):
             if not piece.primary and not bitwise_equal(piece.tensor, primary[piece.offsets].tensor):
                 raise CheckpointError(
                     f"{piece.source}: tensor {name} differs from the same shard on another data-parallel replica; "
