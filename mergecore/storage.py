@@ -227,9 +227,15 @@ def _one_line(error: BaseException) -> str:
 
 # ---- range reads -------------------------------------------------------------------------------
 
-RANGE_CHUNK = 16 << 20  # largest single range request: bounds the bytes in flight per request
-RANGE_BATCH = 8         # requests sent together (s3fs runs them concurrently): <= 128 MiB in memory
-RANGE_GAP = 64 << 10    # nearby ranges are fetched as one request (fewer round trips, few extra bytes)
+RANGE_CHUNK = 16 << 20      # largest single range request
+RANGE_BATCH_BYTES = 128 << 20  # requests sent together (s3fs runs them concurrently) hold at most this...
+RANGE_BATCH_COUNT = 256     # ...and are at most this many
+
+
+def range_gap() -> int:
+    """Ranges closer than this many bytes are fetched as one request (`CKPTFLOW_RANGE_GAP`, default 64 KiB):
+    fewer round trips for a few bytes more."""
+    return int(os.environ.get("CKPTFLOW_RANGE_GAP", 64 << 10))
 
 
 class RangeFile:
@@ -239,8 +245,8 @@ class RangeFile:
     can be mmapped like a local file (`path`), so readers keep their numpy views. It lives in the
     cache folder but is unlinked at once: no other process ever sees it, so a half-written range
     can never be trusted later, and nothing is left behind; its space is freed when the last
-    reader (a checkpoint object and its mapped arrays) is gone. Memory holds at most RANGE_BATCH
-    requests of RANGE_CHUNK bytes; the rest is page cache over the sparse file.
+    reader (a checkpoint object and its mapped arrays) is gone. Memory holds one batch of
+    requests (RANGE_BATCH_BYTES); the rest is page cache over the sparse file.
 
     One per URL *and* fingerprint (`RangeFile.of`): a file rewritten at the same URL gets a new one,
     so stale bytes are never read.
@@ -296,16 +302,17 @@ class RangeFile:
                 gaps.append((start, end))
         return gaps
 
-    def fetch(self, ranges) -> int:
-        """Make the bytes of `ranges` ([start, end) pairs) present in the sparse file; returns bytes downloaded."""
+    def fetch(self, ranges, join_gap: int | None = None) -> int:
+        """Make the bytes of `ranges` ([start, end) pairs) present in the sparse file; returns bytes downloaded.
+
+        Ranges closer than `join_gap` bytes (default `range_gap()`) are fetched as one request."""
         with self._lock:
             gaps = self.missing([(max(0, s), min(self.size, e)) for s, e in ranges if e > s])
             if not gaps:
                 return 0
             fs, path = self.location._fs_path
-            requests = _requests(gaps)
-            for first in range(0, len(requests), RANGE_BATCH):
-                batch = requests[first:first + RANGE_BATCH]
+            requests = _requests(gaps, range_gap() if join_gap is None else join_gap)
+            for batch in _batches(requests):
                 blobs = self.location._reading(fs, "read", lambda: _cat_ranges(fs, path, batch))
                 for (start, end), blob in zip(batch, blobs):
                     if len(blob) != end - start:
@@ -328,11 +335,24 @@ class RangeFile:
             pass
 
 
-def _requests(gaps: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """`gaps` joined when close (RANGE_GAP) and cut into requests of at most RANGE_CHUNK bytes."""
+def _batches(requests: list[tuple[int, int]]):
+    """`requests` in batches of at most RANGE_BATCH_COUNT requests and RANGE_BATCH_BYTES bytes (one if larger)."""
+    batch, size = [], 0
+    for start, end in requests:
+        if batch and (len(batch) == RANGE_BATCH_COUNT or size + end - start > RANGE_BATCH_BYTES):
+            yield batch
+            batch, size = [], 0
+        batch.append((start, end))
+        size += end - start
+    if batch:
+        yield batch
+
+
+def _requests(gaps: list[tuple[int, int]], join_gap: int) -> list[tuple[int, int]]:
+    """`gaps` joined when closer than `join_gap` and cut into requests of at most RANGE_CHUNK bytes."""
     joined: list[list[int]] = []
     for start, end in gaps:
-        if joined and start - joined[-1][1] <= RANGE_GAP and end - joined[-1][0] <= RANGE_CHUNK:
+        if joined and start - joined[-1][1] <= join_gap and end - joined[-1][0] <= RANGE_CHUNK:
             joined[-1][1] = max(joined[-1][1], end)
         else:
             joined.append([start, end])

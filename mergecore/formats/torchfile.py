@@ -20,6 +20,7 @@ refused.
 
 from __future__ import annotations
 
+import functools
 import io
 import mmap
 import pickle
@@ -161,9 +162,11 @@ def fetch_archive_metadata(fetch, path: str, size: int, shown_as: str) -> None:
     """Make present in the sparse file `path` every byte `load` reads before any tensor value: the end
     records, the central directory, each member's local header and the small members (data.pkl, byteorder...).
 
-    `fetch(ranges)` downloads `[start, end)` ranges into `path`. Three or four batches of requests
-    whatever the number of tensors; tensor bytes are fetched later, per piece (`mapped_span`).
+    `fetch(ranges, join_gap)` downloads `[start, end)` ranges into `path`. Three or four batches of requests
+    whatever the number of tensors; tensor bytes are fetched later, per piece (`mapped_span`), so headers
+    are never joined across the tensor bytes between them.
     """
+    fetch = functools.partial(fetch, join_gap=0)
     try:
         tail_start = max(0, size - _END_SEARCH)
         fetch([(tail_start, size)])
