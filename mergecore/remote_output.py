@@ -141,3 +141,16 @@ def downloaded(target: str):
                                         "after it was published (merge again with overwrite)")
         fs.get_file(posixpath.join(root, MANIFEST_FILE), str(folder / MANIFEST_FILE))
         yield folder
+
+
+def finalize_remote(prepared, staging: Path, target: str, **finalize_options) -> dict:
+    """`merge.finalize` for a remote target: the staged groups are verified and finished into the target's
+    shadow folder, then uploaded manifest last. `staging` is where `merge.stage` put them for this target."""
+    from .merge import finalize
+
+    location = Location.of(target)
+    shadow = shadow_folder(location)
+    manifest = finalize(prepared, staging, shadow, overwrite=True, **finalize_options)
+    upload_model(shadow, location, list(prepared.plan.files))
+    shutil.rmtree(shadow, ignore_errors=True)
+    return manifest

@@ -165,3 +165,18 @@ def test_a_crash_before_the_manifest_leaves_no_visible_model(s3_env, published, 
     manifest = merge_checkpoint(source_of(published), published, dtype="float32", overwrite=True)
     assert manifest["dtype"] == "float32"
     assert cli("verify", published).exit_code == 0
+
+
+def test_promotion_from_s3_to_s3_equals_the_local_merge(prefect_server, s3_env, demo, cli, tmp_path):
+    ckpt = demo("fsdp2-w2")
+    source = upload(s3_env, ckpt, "ckpts/io4")
+    assert cli("merge", "--local_dir", ckpt.role_dir, "--target_dir", tmp_path / "local").exit_code == 0
+
+    result = cli("promote", source, "--target", "s3://models/io4")
+    assert result.exit_code == 0, result.output
+    assert "verified model: s3://models/io4" in result.stdout
+
+    remote = objects(s3_env, "models/io4")
+    for path in (tmp_path / "local").glob("*.safetensors"):
+        assert remote[path.name] == path.read_bytes(), path.name
+    assert MANIFEST in remote and cli("verify", "s3://models/io4").exit_code == 0
