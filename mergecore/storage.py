@@ -323,11 +323,6 @@ class RangeFile:
                     self.fetched_bytes += len(blob)
             return sum(e - s for s, e in requests)
 
-    def check_unchanged(self) -> None:
-        """Raise when the remote file is no longer the version being read (rewritten meanwhile)."""
-        if RangeFile.of(self.location) is not self:
-            raise RemoteReadError(f"{self.location}: was rewritten while it was being read; run again to read the new version")
-
     def __del__(self):
         try:
             os.close(self._fd)

@@ -43,7 +43,7 @@ def s3_reads(monkeypatch):
 
 
 def upload(fs, ckpt, prefix: str) -> str:
-    for bucket in (prefix.split("/")[0], "models"):
+    for bucket in (prefix.split("/")[0], "io-models"):
         if not fs.exists(bucket):
             fs.mkdir(bucket)
     fs.put(str(ckpt.role_dir), f"{prefix}/global_step_1/actor", recursive=True)  # the step is in the card
@@ -60,12 +60,12 @@ def test_s3_to_s3_merge_is_byte_identical_and_reads_no_optimizer_byte(s3_env, s3
 
     ckpt = demo("fsdp2-w2")
     merge_checkpoint(str(ckpt.role_dir), tmp_path / "local", dtype="bf16")
-    source = upload(s3_env, ckpt, "ckpts/io1")
+    source = upload(s3_env, ckpt, "io-ckpts/io1")
     fetched, whole = s3_reads
 
-    manifest = merge_checkpoint(source, "s3://models/io1", dtype="bf16")
+    manifest = merge_checkpoint(source, "s3://io-models/io1", dtype="bf16")
 
-    remote = objects(s3_env, "models/io1")
+    remote = objects(s3_env, "io-models/io1")
     local = {p.relative_to(tmp_path / "local").as_posix(): p.read_bytes() for p in (tmp_path / "local").rglob("*") if p.is_file()}
     assert set(remote) == set(local)
     for name in set(local) - {MANIFEST, "README.md"}:  # the manifest names the source URL and timings
@@ -87,7 +87,7 @@ def test_one_group_fetches_its_own_byte_ranges_only(s3_env, s3_reads, demo, tmp_
 
     monkeypatch.setenv("CKPTFLOW_RANGE_GAP", "0")  # tiny tensors: by default neighbours come in the same request
     ckpt = demo("fsdp2-w2")
-    source = upload(s3_env, ckpt, "ckpts/io2")
+    source = upload(s3_env, ckpt, "io-ckpts/io2")
     prepared = prepare(source, dtype="keep")
     fetched, _ = s3_reads
     after_prepare = collections.Counter(fetched)
@@ -97,7 +97,7 @@ def test_one_group_fetches_its_own_byte_ranges_only(s3_env, s3_reads, demo, tmp_
     merge_group(prepared.source, prepared.plan, group, tmp_path / "staging")
 
     for rank in range(2):
-        key = f"ckpts/io2/global_step_1/actor/model_world_size_2_rank_{rank}.pt"
+        key = f"io-ckpts/io2/global_step_1/actor/model_world_size_2_rank_{rank}.pt"
         state = torch.load(ckpt.role_dir / Path(key).name, map_location="cpu", weights_only=True)
         group_bytes = sum(state[n].to_local().numel() * state[n].element_size() for n in names)
         read_for_group = fetched[key] - after_prepare[key]
@@ -111,15 +111,15 @@ def published(s3_env, demo, cli):
     import uuid
 
     ckpt, name = demo("fsdp2-w2"), f"io3-{uuid.uuid4().hex[:8]}"
-    source = upload(s3_env, ckpt, f"ckpts/{name}")
-    result = cli("merge", "--local_dir", source, "--target_dir", f"s3://models/{name}", "--dtype", "bf16")
+    source = upload(s3_env, ckpt, f"io-ckpts/{name}")
+    result = cli("merge", "--local_dir", source, "--target_dir", f"s3://io-models/{name}", "--dtype", "bf16")
     assert result.exit_code == 0, result.output
-    assert f"s3://models/{name}" in result.output
-    return f"s3://models/{name}"
+    assert f"s3://io-models/{name}" in result.output
+    return f"s3://io-models/{name}"
 
 
 def source_of(published: str) -> str:
-    return f"s3://ckpts/{published.rsplit('/', 1)[1]}/global_step_1/actor"
+    return f"s3://io-ckpts/{published.rsplit('/', 1)[1]}/global_step_1/actor"
 
 
 def test_verify_reads_a_remote_model_and_detects_a_tampered_file(s3_env, published, cli):
@@ -169,14 +169,14 @@ def test_a_crash_before_the_manifest_leaves_no_visible_model(s3_env, published, 
 
 def test_promotion_from_s3_to_s3_equals_the_local_merge(prefect_server, s3_env, demo, cli, tmp_path):
     ckpt = demo("fsdp2-w2")
-    source = upload(s3_env, ckpt, "ckpts/io4")
+    source = upload(s3_env, ckpt, "io-ckpts/io4")
     assert cli("merge", "--local_dir", ckpt.role_dir, "--target_dir", tmp_path / "local").exit_code == 0
 
-    result = cli("promote", source, "--target", "s3://models/io4")
+    result = cli("promote", source, "--target", "s3://io-models/io4")
     assert result.exit_code == 0, result.output
-    assert "verified model: s3://models/io4" in result.stdout
+    assert "verified model: s3://io-models/io4" in result.stdout
 
-    remote = objects(s3_env, "models/io4")
+    remote = objects(s3_env, "io-models/io4")
     for path in (tmp_path / "local").glob("*.safetensors"):
         assert remote[path.name] == path.read_bytes(), path.name
-    assert MANIFEST in remote and cli("verify", "s3://models/io4").exit_code == 0
+    assert MANIFEST in remote and cli("verify", "s3://io-models/io4").exit_code == 0
