@@ -27,15 +27,15 @@ from measure import measure  # noqa: E402
 BASELINE = """
 import sys, s3fs, tempfile, os
 from mergecore import merge_checkpoint
-fs = s3fs.S3FileSystem()
+fs, root = s3fs.S3FileSystem(), sys.argv[1].split("://")[-1]
 with tempfile.TemporaryDirectory() as scratch:
-    for path in fs.find(sys.argv[1]):
+    for path in fs.find(root):
         name = path.rsplit("/", 1)[1]
         if name.startswith("model_world_size_") or "/huggingface/" in path or name == "fsdp_config.json":
-            local = os.path.join(scratch, os.path.relpath(path, sys.argv[1]))
+            local = os.path.join(scratch, "actor", os.path.relpath(path, root))
             os.makedirs(os.path.dirname(local), exist_ok=True)
             fs.get_file(path, local)
-    merge_checkpoint(scratch, os.path.join(scratch, "out"), dtype="bf16")
+    merge_checkpoint(os.path.join(scratch, "actor"), os.path.join(scratch, "out"), dtype="bf16")
     fs.put(os.path.join(scratch, "out"), sys.argv[2], recursive=True)
 """
 

@@ -15,6 +15,7 @@ from `CKPTFLOW_READ_BACKOFF` seconds (default 0.5); then `RemoteReadError`, one 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -269,7 +270,8 @@ class RangeFile:
         os.unlink(name)
         os.ftruncate(self._fd, self.size)
         self._present: list[tuple[int, int]] = []  # sorted, disjoint [start, end) already written
-        self._lock = threading.Lock()
+        # Held while this file is fetched into: a thread needing bytes another thread is fetching waits for them.
+        self.lock = threading.Lock()
         self.fetched_bytes = 0
 
     @classmethod
@@ -306,22 +308,15 @@ class RangeFile:
         """Make the bytes of `ranges` ([start, end) pairs) present in the sparse file; returns bytes downloaded.
 
         Ranges closer than `join_gap` bytes (default `range_gap()`) are fetched as one request."""
-        with self._lock:
-            gaps = self.missing([(max(0, s), min(self.size, e)) for s, e in ranges if e > s])
-            if not gaps:
-                return 0
-            fs, path = self.location._fs_path
-            requests = _requests(gaps, range_gap() if join_gap is None else join_gap)
-            for batch in _batches(requests):
-                blobs = self.location._reading(fs, "read", lambda: _cat_ranges(fs, path, batch))
-                for (start, end), blob in zip(batch, blobs):
-                    if len(blob) != end - start:
-                        raise RemoteReadError(f"{self.location}: asked for bytes {start}-{end}, got {len(blob)}; the file "
-                                              "changed while it was read: run again")
-                    os.pwrite(self._fd, blob, start)
-                    self._present = _merged(self._present + [(start, end)])
-                    self.fetched_bytes += len(blob)
-            return sum(e - s for s, e in requests)
+        return fetch_ranges({self: ranges}, join_gap)
+
+    def _write(self, start: int, blob: bytes, end: int) -> None:
+        if len(blob) != end - start:
+            raise RemoteReadError(f"{self.location}: asked for bytes {start}-{end}, got {len(blob)}; the file "
+                                  "changed while it was read: run again")
+        os.pwrite(self._fd, blob, start)
+        self._present = _merged(self._present + [(start, end)])
+        self.fetched_bytes += len(blob)
 
     def __del__(self):
         try:
@@ -330,15 +325,43 @@ class RangeFile:
             pass
 
 
-def _batches(requests: list[tuple[int, int]]):
-    """`requests` in batches of at most RANGE_BATCH_COUNT requests and RANGE_BATCH_BYTES bytes (one if larger)."""
+def fetch_ranges(wanted: dict[RangeFile, list[tuple[int, int]]], join_gap: int | None = None) -> int:
+    """Fetch ranges of several remote files at once: the missing ones, joined when closer than `join_gap`
+    (default `range_gap()`), sent as concurrent batches across files (`fs.cat_ranges`). Returns bytes downloaded.
+
+    >>> fetch_ranges({rank0: [(0, 1024)], rank1: [(4096, 8192)]})  # doctest: +SKIP
+    5120
+    """
+    gap = range_gap() if join_gap is None else join_gap
+    with contextlib.ExitStack() as held:
+        for remote in sorted(wanted, key=lambda r: (r.location.url, id(r))):  # one order: no deadlock
+            held.enter_context(remote.lock)
+        jobs = [(remote, start, end) for remote, ranges in wanted.items()
+                for start, end in _requests(remote.missing([(max(0, s), min(remote.size, e)) for s, e in ranges if e > s]), gap)]
+        by_fs: dict[int, list] = {}
+        for job in jobs:
+            by_fs.setdefault(id(job[0].location.fs), []).append(job)
+        for same_fs in by_fs.values():
+            for batch in _batches(same_fs):
+                location = batch[0][0].location
+                fs = location.fs
+                paths = [remote.location._fs_path[1] for remote, _, _ in batch]
+                blobs = location._reading(fs, "read", lambda: _cat_ranges(fs, paths, batch))
+                for (remote, start, end), blob in zip(batch, blobs):
+                    remote._write(start, blob, end)
+        return sum(end - start for _, start, end in jobs)
+
+
+def _batches(jobs: list):
+    """`(file, start, end)` jobs in batches of at most RANGE_BATCH_COUNT requests and RANGE_BATCH_BYTES bytes."""
     batch, size = [], 0
-    for start, end in requests:
-        if batch and (len(batch) == RANGE_BATCH_COUNT or size + end - start > RANGE_BATCH_BYTES):
+    for job in jobs:
+        length = job[2] - job[1]
+        if batch and (len(batch) == RANGE_BATCH_COUNT or size + length > RANGE_BATCH_BYTES):
             yield batch
             batch, size = [], 0
-        batch.append((start, end))
-        size += end - start
+        batch.append(job)
+        size += length
     if batch:
         yield batch
 
@@ -357,8 +380,8 @@ def _requests(gaps: list[tuple[int, int]], join_gap: int) -> list[tuple[int, int
     return requests
 
 
-def _cat_ranges(fs: fsspec.AbstractFileSystem, path: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-    blobs = fs.cat_ranges([path] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges], on_error="raise")
+def _cat_ranges(fs: fsspec.AbstractFileSystem, paths: list[str], batch: list) -> list[bytes]:
+    blobs = fs.cat_ranges(paths, [start for _, start, _ in batch], [end for _, _, end in batch], on_error="raise")
     for blob in blobs:
         if isinstance(blob, BaseException):
             raise blob
