@@ -20,7 +20,6 @@ A crash before step 5 leaves no manifest: no model, and the next merge overwrite
 
 from __future__ import annotations
 
-import hashlib
 import posixpath
 import shutil
 import tempfile
@@ -30,8 +29,6 @@ from pathlib import Path
 from .errors import CheckpointError, VerificationError
 from .output import MANIFEST_FILE
 from .storage import Location, default_cache_dir
-
-_UPLOAD_CHUNK = 16 << 20
 
 
 def is_remote(target) -> bool:
@@ -104,15 +101,6 @@ def merge_to_remote(checkpoint: str, target: str, *, overwrite: bool = False, pr
     return manifest
 
 
-def sha256_remote(location: Location) -> str:
-    """sha256 of a remote object, read front to back in 16 MiB ranges (nothing written to disk)."""
-    digest = hashlib.sha256()
-    with location.fs.open(location._fs_path[1], "rb", block_size=_UPLOAD_CHUNK, cache_type="none") as f:
-        while block := f.read(_UPLOAD_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 @contextmanager
 def downloaded(target: str):
     """A local copy of the published model at remote `target` (the manifest's files only, each checked for its
@@ -132,7 +120,7 @@ def downloaded(target: str):
     with tempfile.TemporaryDirectory(prefix="ckptflow-remote-") as scratch:
         folder = Path(scratch) / location.name
         for name, entry in manifest["files"].items():
-            if "/" in name.strip("/") and ".." in name.split("/"):
+            if name.startswith("/") or ".." in name.split("/"):
                 raise VerificationError(f"{target}/{MANIFEST_FILE}: names {name}, outside the folder")
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
             fs.get_file(posixpath.join(root, name), str(folder / name))
