@@ -74,7 +74,7 @@ def refuse(message: str) -> None:
     raise CheckpointError(message)
 
 
-def push_merged(folder: Path, repo_id: str, revision: Optional[str], private: bool, tag: Optional[str] = None) -> dict:
+def push_merged(folder: str | Path, repo_id: str, revision: Optional[str], private: bool, tag: Optional[str] = None) -> dict:
     """Push a merged folder as published, card and manifest included (endpoint and token from HF_ENDPOINT / HF_TOKEN)."""
     from mergecore.hub import push_folder
 
@@ -176,7 +176,8 @@ def warn_nonfinite(found: dict) -> None:
 @cli_errors
 def merge(
     local_dir: str = LOCAL_DIR,
-    target_dir: str = typer.Option("tmp", "--target_dir", "--target-dir", help="Output folder (published atomically)."),
+    target_dir: str = typer.Option("tmp", "--target_dir", "--target-dir", help="Output folder (published atomically), "
+                                   "or an fsspec URL such as s3://bucket/model (published by writing its manifest last)."),
     backend: str = BACKEND,
     role: str = ROLE,
     hf_model_path: Optional[str] = HF_MODEL_PATH,
@@ -227,10 +228,12 @@ def merge(
 
     warn_nonfinite(nonfinite_found(manifest.get("groups_written", [])))
     checks = ", ".join(f"{c['check']} ok" for c in manifest.get("verification", [])) or "not verified"
-    out.print(f"merged {manifest['source']['location']} -> {Path(target_dir).absolute()} "
+    from mergecore.storage import Location
+
+    out.print(f"merged {manifest['source']['location']} -> {Location.of(target_dir)} "
               f"({len(manifest['files'])} files, dtype {manifest['dtype']}; {checks})", highlight=False, soft_wrap=True)
     if hf_upload_path:
-        push_merged(Path(target_dir), hf_upload_path, revision, private is not False)
+        push_merged(target_dir, hf_upload_path, revision, private is not False)
 
 
 @app.command("test")
@@ -270,7 +273,7 @@ def test_command(
 @app.command()
 @cli_errors
 def verify(
-    folder: Path = typer.Argument(..., help="A folder written by ckptflow merge."),
+    target: str = typer.Argument(..., metavar="FOLDER", help="A folder written by ckptflow merge (a path or s3://... URL)."),
     reference: Optional[Path] = typer.Option(None, "--reference", help="Also compare with this Hugging Face folder."),
     logits: bool = typer.Option(False, "--logits", help="With --reference: also compare logits."),
     skip_source: bool = typer.Option(False, "--skip-source", help="Do not re-read the source checkpoint (hashes only)."),
@@ -283,12 +286,25 @@ def verify(
         None, "--hf_model_path", "--hf-model-path", help="Folder with config.json for the source (default: the merge's, from its manifest)."),
 ):
     """Re-check a merged folder: manifest hashes, round-trip against the source shards, optional reference."""
-    from mergecore import open_checkpoint, verify_manifest, verify_round_trip
-    from mergecore.verify import load_manifest, reference_checks
+    from mergecore.verify import reference_checks
 
     if not reference and (logits or trust_remote_code or atol is not None or rtol is not None):
         refuse("--logits, --trust-remote-code, --atol and --rtol apply to the comparison with a reference model: "
                "add --reference FOLDER")
+    from mergecore.remote_output import downloaded
+
+    with downloaded(target) as folder:  # a remote model is checked from a local copy of its manifest's files
+        results = verify_folder(folder, skip_source, custom_mapping, hf_model_path)
+        if reference:
+            results += reference_checks(folder, reference, trust_remote_code, logits, atol, rtol)
+    print_checks(results)
+
+
+def verify_folder(folder: Path, skip_source: bool, custom_mapping: Optional[str], hf_model_path: Optional[str]) -> list:
+    """Manifest hashes and (unless `skip_source`) the round trip against the source shards."""
+    from mergecore import open_checkpoint, verify_manifest, verify_round_trip
+    from mergecore.verify import load_manifest
+
     results = [verify_manifest(folder)]
     if not skip_source:
         manifest = load_manifest(folder)
@@ -301,9 +317,7 @@ def verify(
 
         source = merge_view(source, used.get("lora"))  # as merged: fused LoRA (base and adapter pieces), Hub layout
         results.append(verify_round_trip(source, folder, manifest.get("aliases", {})))
-    if reference:
-        results += reference_checks(folder, reference, trust_remote_code, logits, atol, rtol)
-    print_checks(results)
+    return results
 
 
 def print_checks(results: list[dict]) -> None:

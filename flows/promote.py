@@ -17,6 +17,7 @@ from prefect.utilities.annotations import quote
 
 from mergecore.nonfinite import check_nonfinite_policy, nonfinite_found
 from mergecore.output import BackgroundHashes
+from mergecore.storage import Location
 from tasks import (discover_shards, finalize_model, merge_group, plan_groups, prepare_staging, push_to_hub,
                    run_equivalence_tests, validate_metadata)
 from tasks.caching import group_cache_policy, results_folder
@@ -103,7 +104,7 @@ def promote_checkpoint(
     manifest = merge_checkpoint.with_options(task_runner=runner)(ref, target, overwrite, reference, trust_remote_code)
     checks = run_equivalence_tests(target, manifest, reference, trust_remote_code)
     create_table_artifact(equivalence_rows(checks), key="equivalence", description="equivalence tests")
-    result = {"target": str(Path(target).absolute()), "checks": checks, "cached_groups": manifest["cached_groups"],
+    result = {"target": Location.of(target).url, "checks": checks, "cached_groups": manifest["cached_groups"],
               "nonfinite": nonfinite_found(manifest.get("groups_written", []))}
     if hub_repo:
         pushed = push_to_hub(target, hub_repo, revision, private, tag, hub_token_secret)

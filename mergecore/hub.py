@@ -35,6 +35,14 @@ def push_folder(
     >>> push_folder("out/model", "org/model", revision="step-100")  # doctest: +SKIP
     {'repo_id': 'org/model', 'revision': 'step-100', 'commit': '3f2a...', 'new_commit': True, ...}
     """
+    from .storage import Location
+
+    if not Location.of(folder).is_local:  # a model on object storage is pushed from a local copy of its files
+        from .remote_output import downloaded
+
+        with downloaded(str(folder)) as local:
+            return push_folder(local, repo_id, revision=revision, private=private, token=token, tag=tag,
+                               commit_message=commit_message)
     import httpx2
     from huggingface_hub import HfApi, get_token
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError

@@ -145,8 +145,11 @@ def check_target(target: str | Path, overwrite: bool) -> Path:
     from .publish import repair_target
 
     location = Location.of(target)
-    if not location.is_local:
-        raise CheckpointError(f"--target_dir {target}: must be a local folder (push to the Hub with --hf_upload_path)")
+    if not location.is_local:  # a remote target is assembled in its local shadow folder, then uploaded
+        from .remote_output import check_remote_target, shadow_folder
+
+        check_remote_target(location, overwrite)
+        return shadow_folder(location)
     path = Path(location.url)
     repair_target(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
@@ -340,7 +343,17 @@ def merge_checkpoint(
     >>> manifest = merge_checkpoint("ckpts/run1", "out/model", dtype="bf16")  # doctest: +SKIP
     >>> manifest["verification"][0]["ok"]                                      # doctest: +SKIP
     True
+
+    A remote `target` (`s3://...`) is published by writing its manifest last: see `remote_output`.
     """
+    if not Location.of(target).is_local:
+        from .remote_output import merge_to_remote
+
+        return merge_to_remote(checkpoint, str(target), overwrite=overwrite, prepared=prepared, role=role,
+                               backend=backend, hf_dir=hf_dir, dtype=dtype, max_shard_size=max_shard_size,
+                               tie_word_embedding=tie_word_embedding, check_replicas=check_replicas, verify=verify,
+                               workers=workers, on_group=on_group, on_tensor=on_tensor, checks=checks,
+                               on_nonfinite=on_nonfinite)
     target_path = check_target(target, overwrite)
     check_nonfinite_policy(on_nonfinite)
     clock = Stopwatch()

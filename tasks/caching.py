@@ -23,6 +23,12 @@ def results_folder(target: str) -> Path:
     configured = os.environ.get("CKPTFLOW_RESULTS")
     if configured:
         return Path(configured).expanduser().absolute()
+    from mergecore.remote_output import is_remote, shadow_folder
+    from mergecore.storage import Location
+
+    if is_remote(target):  # beside the target's local shadow folder
+        shadow = shadow_folder(Location.of(target))
+        return shadow.parent / f".{shadow.name}.ckptflow-results"
     target_path = Path(target).absolute()
     return target_path.parent / f".{target_path.name}.ckptflow-results"
 

@@ -15,6 +15,7 @@ from mergecore import merge_group as merge_one_group
 from mergecore.merge import published_manifest, refresh_published
 from mergecore.nonfinite import nonfinite_error, nonfinite_found
 from mergecore.output import BackgroundHashes
+from mergecore.remote_output import finalize_remote, is_remote
 from mergecore.verify import reference_checks
 from mergecore.writer import room_checked
 
@@ -72,5 +73,8 @@ def finalize_model(ref: CheckpointRef, staging: str, target: str, overwrite: boo
     with exclusive(results_folder(target) / "locks", PUBLISH_LOCK), room_checked(Path(staging)):  # one publisher at a time
         if not Path(staging).exists():
             return refresh_published(prepared, Path(target), checks=checks)
+        if is_remote(target):  # finished in its local shadow folder, then uploaded manifest last
+            return finalize_remote(prepared, Path(staging), target, extra={"groups_written": receipts},
+                                   hashes=hashes, checks=checks)
         return finalize_folder(prepared, Path(staging), Path(target), overwrite, extra={"groups_written": receipts},
                                hashes=hashes, checks=checks)

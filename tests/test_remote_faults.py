@@ -57,7 +57,8 @@ class FlakyFileSystem(AbstractFileSystem):
 
     def cat_file(self, path, start=None, end=None, **kwargs):
         with self.open(path, "rb") as f:
-            return f.read()
+            data = f.read()  # a dropped connection fails here, wherever the range lies
+        return data[start:end]
 
     def _due(self, path) -> Fault | None:
         for fault in self.faults:
@@ -122,7 +123,7 @@ def test_transient_read_errors_are_retried_and_the_merge_is_unchanged(flaky, dem
     merge_checkpoint(f"flaky://{ckpt.role_dir}", tmp_path / "flaky", dtype="keep")
 
     assert flaky.left() == [0, 0, 0]  # every fault was hit
-    assert sum(p.endswith(RANK0) for p in flaky.opened) == 3
+    assert sum(p.endswith(RANK0) for p in flaky.opened) >= 3  # read by range: one open per batch of ranges
     written = sorted(p.name for p in (tmp_path / "plain").iterdir() if p.suffix in (".safetensors", ".json"))
     assert any(name.endswith(".safetensors") for name in written)
     for name in set(written) - {"ckptflow_manifest.json"}:  # the manifest names the source URL

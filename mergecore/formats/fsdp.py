@@ -17,10 +17,13 @@ import numpy as np
 
 from ..arrays import bitwise_equal
 from ..errors import CheckpointError
-from ..storage import Location
+from ..storage import Location, RangeFile, fetch_ranges
 from .base import CheckpointSource, Piece, TensorInfo
 from .detect import FSDP_RANK_FILE as RANK_FILE
-from .torchfile import DTensorRecord, ShardedTensorRecord, load
+from .torchfile import DTensorRecord, ShardedTensorRecord, fetch_archive_metadata, load, mapped_span
+
+
+REMOTE_OPENS = 16  # remote rank files whose archive directories are read at once
 
 
 def load_rank_file(path: str, shown_as: str) -> dict:
@@ -168,8 +171,13 @@ class FsdpCheckpoint(CheckpointSource):
         dropped once summarised: thousands of ranks would otherwise keep millions of small objects
         alive for Python's cycle collector to rescan; the pieces' arrays stay views of the mapped file."""
         with _collector_paused():
-            return [self._summarise(rank, load_rank_file(self.rank_location(rank).local_file(), str(self.rank_location(rank))))
-                    for rank in range(self.world_size)]
+            if self.location.is_local:
+                return [self._summarise(rank, self._load_rank(rank)) for rank in range(self.world_size)]
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._range_files  # made before the threads fill it
+            with ThreadPoolExecutor(REMOTE_OPENS) as pool:  # a few round trips per remote file: overlap them
+                return [self._summarise(rank, state) for rank, state in enumerate(pool.map(self._load_rank, range(self.world_size)))]
 
     def _summarise(self, rank: int, state: dict) -> dict[str, _Saved]:
         shown = str(self.rank_location(rank))
@@ -185,6 +193,58 @@ class FsdpCheckpoint(CheckpointSource):
                                    _deferred(coordinates.size, value.device_mesh, name) if dtensor else None,
                                    _deferred(self._pieces_of, name, value, coordinates, shown), dtensor)
         return summary
+
+    def _load_rank(self, rank: int) -> dict:
+        """A local rank file is mapped in place; a remote one is read by range (`RangeFile`): its archive
+        directory and pickle now, each tensor's bytes when its pieces are asked for (`_fetched`)."""
+        location, shown = self.rank_location(rank), str(self.rank_location(rank))
+        if location.is_local:
+            return load_rank_file(location.local_file(), shown)
+        remote = RangeFile.of(location)
+        fetch_archive_metadata(remote.fetch, remote.path, remote.size, shown)
+        self._range_files[shown] = remote
+        return load_rank_file(remote.path, shown)
+
+    @cached_property
+    def _range_files(self) -> dict[str, RangeFile]:
+        return {}
+
+    def _fetched(self, pieces: list[Piece], name: str) -> list[Piece]:
+        """`pieces`, their bytes downloaded first when they come from remote rank files.
+
+        The first tensor of a layer group asked for brings the whole group's bytes from every rank in one
+        concurrent batch of range requests (a merge reads a group's tensors together): round trips per
+        group, not per tensor and rank."""
+        if not self._range_files:
+            return pieces
+        group = self._groups[name]
+        if group not in self._fetched_groups:
+            spans: dict[RangeFile, list[tuple[int, int]]] = {}
+            for member in self._group_members[group]:
+                for piece in self._saved_pieces[member]:
+                    span = mapped_span(piece.tensor)
+                    if span and piece.source in self._range_files:
+                        spans.setdefault(self._range_files[piece.source], []).append(span)
+            fetch_ranges(spans)
+            self._fetched_groups.add(group)
+        return pieces
+
+    @cached_property
+    def _groups(self) -> dict[str, str]:
+        from ..layout import group_of
+
+        return {name: group_of(name)[1] for name in self._saved_pieces}
+
+    @cached_property
+    def _group_members(self) -> dict[str, list[str]]:
+        members: dict[str, list[str]] = {}
+        for name, group in self._groups.items():
+            members.setdefault(group, []).append(name)
+        return members
+
+    @cached_property
+    def _fetched_groups(self) -> set[str]:
+        return set()
 
     @cached_property
     def _saved_pieces(self) -> dict[str, list[Piece]]:
@@ -227,7 +287,7 @@ class FsdpCheckpoint(CheckpointSource):
         return self._saved_infos
 
     def pieces(self, name: str) -> Iterator[Piece]:
-        return iter(self._saved_pieces[name])
+        return iter(self._fetched(self._saved_pieces[name], name))
 
     def input_files(self, names=None) -> list[Location]:
         return [self.rank_location(r) for r in range(self.world_size)]  # every rank holds a slice of every tensor
@@ -298,7 +358,7 @@ class FsdpCheckpoint(CheckpointSource):
 
     def _check_replicas(self, name: str) -> None:
         primary = {p.offsets: p for p in self._saved_pieces[name] if p.primary}
-        for piece in self._saved_pieces[name]:
+        for piece in self._fetched(self._saved_pieces[name], name):
             if not piece.primary and not bitwise_equal(piece.tensor, primary[piece.offsets].tensor):
                 raise CheckpointError(
                     f"{piece.source}: tensor {name} differs from the same shard on another data-parallel replica; "

@@ -20,6 +20,7 @@ refused.
 
 from __future__ import annotations
 
+import functools
 import io
 import mmap
 import pickle
@@ -148,3 +149,66 @@ def load(path: str, shown_as: str, offset: int = 0, length: int | None = None,
             f"{shown_as}: refused to unpickle ({str(err).splitlines()[0] if str(err) else type(err).__name__}); "
             "ckptflow only loads tensors, never arbitrary objects"
         ) from None
+
+
+# ---- reading remote archives by byte range ------------------------------------------------------
+
+_END_RECORD = b"PK\x05\x06"
+_END_SEARCH = 65536 + 22  # the end record sits within the last 64 KiB comment + its own 22 bytes
+_EXTRA_SLACK = 256        # room for a local header's extra field (torch pads data to 64 bytes with it)
+
+
+def fetch_archive_metadata(fetch, path: str, size: int, shown_as: str) -> None:
+    """Make present in the sparse file `path` every byte `load` reads before any tensor value: the end
+    records, the central directory, each member's local header and the small members (data.pkl, byteorder...).
+
+    `fetch(ranges, join_gap)` downloads `[start, end)` ranges into `path`. Three or four batches of requests
+    whatever the number of tensors; tensor bytes are fetched later, per piece (`mapped_span`), so headers
+    are never joined across the tensor bytes between them.
+    """
+    fetch = functools.partial(fetch, join_gap=0)
+    try:
+        tail_start = max(0, size - _END_SEARCH)
+        fetch([(tail_start, size)])
+        with open(path, "rb") as f:
+            f.seek(tail_start)
+            tail = f.read()
+            end = tail.rfind(_END_RECORD)
+            if end < 0 or end + 22 > len(tail):
+                raise ValueError("no zip end record")
+            directory_size, directory_start = struct.unpack_from("<II", tail, end + 12)
+            if 0xFFFFFFFF in (directory_size, directory_start) and end >= 20 + 56:
+                record = struct.unpack_from("<Q", tail, end - 20 + 8)[0] - tail_start  # zip64 end record
+                directory_size, directory_start = struct.unpack_from("<QQ", tail, record + 40)
+            fetch([(directory_start, size)])
+            infos = zipfile.ZipFile(f).infolist()
+            wanted = [(info, 0 if info.filename.split("/", 1)[-1].startswith("data/") else info.compress_size)
+                      for info in infos]
+            fetch([(i.header_offset, i.header_offset + _LOCAL_HEADER.size + len(i.filename.encode()) + _EXTRA_SLACK + n)
+                   for i, n in wanted])
+            exact = []
+            for info, n in wanted:
+                f.seek(info.header_offset)
+                name_length, extra_length = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))[1:]
+                exact.append((info.header_offset, info.header_offset + _LOCAL_HEADER.size + name_length + extra_length + n))
+            fetch(exact)  # only what the slack did not cover
+    except (ValueError, struct.error, zipfile.BadZipFile) as err:
+        raise CheckpointError(
+            f"{shown_as}: cannot be read ({str(err).splitlines()[0]}); the file is truncated or not a "
+            "torch checkpoint: copy it again from where training saved it"
+        ) from None
+
+
+def mapped_span(array) -> tuple[int, int] | None:
+    """The [start, end) bytes of the mmapped file that `array` (a view `load` returned) spans; None when
+    it does not view a mapped file (or holds no bytes)."""
+    if not isinstance(array, np.ndarray) or array.size == 0:
+        return None
+    base = array
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    if base is None:
+        return None
+    origin = np.frombuffer(base, np.uint8, count=1).ctypes.data
+    low, high = np.lib.array_utils.byte_bounds(array)
+    return low - origin, high - origin

@@ -1,0 +1,182 @@
+"""Object storage in and out: rank files read by byte range, models published on S3 (moto) manifest last.
+
+Bytes are counted at s3fs's boundary (its `_cat_file` / `_get_file`, what every ranged or whole GET goes
+through), never inside ckptflow.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+
+import pytest
+
+from test_storage_s3 import s3_endpoint, s3_env  # noqa: F401  (moto server + s3fs fixtures)
+
+s3fs = pytest.importorskip("s3fs")
+
+MANIFEST = "ckptflow_manifest.json"
+
+
+@pytest.fixture
+def s3_reads(monkeypatch):
+    """Bytes s3fs returned per object key, and the keys fetched whole (a GET without a range)."""
+    fetched, whole = collections.Counter(), []
+    ranged, downloaded = s3fs.S3FileSystem._cat_file, s3fs.S3FileSystem._get_file
+
+    async def cat_file(self, path, version_id=None, start=None, end=None):
+        data = await ranged(self, path, version_id=version_id, start=start, end=end)
+        fetched[path.split("://")[-1]] += len(data)
+        if start in (None, 0) and end is None:
+            whole.append(path)
+        return data
+
+    async def get_file(self, rpath, lpath, **kwargs):
+        whole.append(rpath)
+        return await downloaded(self, rpath, lpath, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", cat_file)
+    monkeypatch.setattr(s3fs.S3FileSystem, "_get_file", get_file)
+    s3fs.S3FileSystem.clear_instance_cache()  # instances bind their sync methods when made
+    return fetched, whole
+
+
+def upload(fs, ckpt, prefix: str) -> str:
+    for bucket in (prefix.split("/")[0], "io-models"):
+        if not fs.exists(bucket):
+            fs.mkdir(bucket)
+    fs.put(str(ckpt.role_dir), f"{prefix}/global_step_1/actor", recursive=True)  # the step is in the card
+    return f"s3://{prefix}/global_step_1/actor"
+
+
+def objects(fs, prefix: str) -> dict[str, bytes]:
+    fs.invalidate_cache()
+    return {path[len(prefix) + 1:]: fs.cat_file(path) for path in fs.find(prefix)}
+
+
+def test_s3_to_s3_merge_is_byte_identical_and_reads_no_optimizer_byte(s3_env, s3_reads, demo, tmp_path):
+    from mergecore import merge_checkpoint
+
+    ckpt = demo("fsdp2-w2")
+    merge_checkpoint(str(ckpt.role_dir), tmp_path / "local", dtype="bf16")
+    source = upload(s3_env, ckpt, "io-ckpts/io1")
+    fetched, whole = s3_reads
+
+    manifest = merge_checkpoint(source, "s3://io-models/io1", dtype="bf16")
+
+    remote = objects(s3_env, "io-models/io1")
+    local = {p.relative_to(tmp_path / "local").as_posix(): p.read_bytes() for p in (tmp_path / "local").rglob("*") if p.is_file()}
+    assert set(remote) == set(local)
+    for name in set(local) - {MANIFEST, "README.md"}:  # the manifest names the source URL and timings
+        assert remote[name] == local[name], name
+    assert remote["README.md"] == local["README.md"].replace(str(ckpt.role_dir).encode(), source.encode())  # the card too
+    assert json.loads(remote[MANIFEST])["files"] == {n: {**e, "mtime_ns": e["mtime_ns"]} for n, e in manifest["files"].items()}
+    rank_keys = [k for k in fetched if "/model_world_size_" in k]
+    assert len(rank_keys) == 2 and not [k for k in whole if "model_world_size" in k]  # only ranged GETs
+    assert not [k for k in fetched if "/optim_" in k or "/extra_state_" in k]  # zero optimizer bytes
+    assert not list((tmp_path / "cache" / "targets").iterdir())  # the local shadow folder is gone
+
+
+def test_one_group_fetches_its_own_byte_ranges_only(s3_env, s3_reads, demo, tmp_path, monkeypatch):
+    import torch
+    import torch.distributed.tensor  # noqa: F401  (DTensor's unpickling needs it)
+
+    from mergecore import merge_group, prepare
+    from mergecore.writer import prepare_files
+
+    monkeypatch.setenv("CKPTFLOW_RANGE_GAP", "0")  # tiny tensors: by default neighbours come in the same request
+    ckpt = demo("fsdp2-w2")
+    source = upload(s3_env, ckpt, "io-ckpts/io2")
+    prepared = prepare(source, dtype="keep")
+    fetched, _ = s3_reads
+    after_prepare = collections.Counter(fetched)
+    group = prepared.plan.groups[1]  # one decoder layer
+    names = [t.name for t in prepared.plan.in_group(group)]
+    prepare_files(prepared.plan, tmp_path / "staging")
+    merge_group(prepared.source, prepared.plan, group, tmp_path / "staging")
+
+    for rank in range(2):
+        key = f"io-ckpts/io2/global_step_1/actor/model_world_size_2_rank_{rank}.pt"
+        state = torch.load(ckpt.role_dir / Path(key).name, map_location="cpu", weights_only=True)
+        group_bytes = sum(state[n].to_local().numel() * state[n].element_size() for n in names)
+        read_for_group = fetched[key] - after_prepare[key]
+        # Exactly the group's bytes, less what came with each member's header (up to 256 bytes of slack).
+        assert group_bytes - 256 * len(names) <= read_for_group <= group_bytes, (rank, read_for_group, group_bytes)
+        assert read_for_group < 0.5 * (ckpt.role_dir / Path(key).name).stat().st_size
+
+
+@pytest.fixture
+def published(s3_env, demo, cli):
+    import uuid
+
+    ckpt, name = demo("fsdp2-w2"), f"io3-{uuid.uuid4().hex[:8]}"
+    source = upload(s3_env, ckpt, f"io-ckpts/{name}")
+    result = cli("merge", "--local_dir", source, "--target_dir", f"s3://io-models/{name}", "--dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    assert f"s3://io-models/{name}" in result.output
+    return f"s3://io-models/{name}"
+
+
+def source_of(published: str) -> str:
+    return f"s3://io-ckpts/{published.rsplit('/', 1)[1]}/global_step_1/actor"
+
+
+def test_verify_reads_a_remote_model_and_detects_a_tampered_file(s3_env, published, cli):
+    result = cli("verify", published)
+    assert result.exit_code == 0, result.output
+    assert "round-trip" in result.output
+
+    weights = [p for p in s3_env.find(published[5:]) if p.endswith(".safetensors")][0]
+    data = bytearray(s3_env.cat_file(weights))
+    data[-1] ^= 0x01  # one bit of the last weight
+    s3_env.pipe_file(weights, bytes(data))
+    result = cli("verify", published, "--skip-source")
+    assert result.exit_code != 0
+    assert Path(weights).name in result.output and "differs" in result.output
+
+
+def test_a_crash_before_the_manifest_leaves_no_visible_model(s3_env, published, demo, cli, monkeypatch):
+    from mergecore import CheckpointError, merge_checkpoint
+    from mergecore.remote_output import downloaded
+
+    put = s3fs.S3FileSystem._put_file
+
+    async def dies_at_the_manifest(self, lpath, rpath, **kwargs):
+        if rpath.endswith(MANIFEST):
+            raise RuntimeError("killed before the manifest")  # as if the process died here
+        return await put(self, lpath, rpath, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_put_file", dies_at_the_manifest)
+    s3fs.S3FileSystem.clear_instance_cache()  # instances bind their sync methods when made
+    # Overwriting the published model with a different merge (fp32): the old manifest goes first.
+    with pytest.raises(RuntimeError, match="killed before the manifest"):
+        merge_checkpoint(source_of(published), published, dtype="float32", overwrite=True)
+    left = objects(s3_env, published[5:])
+    assert MANIFEST not in left and any(name.endswith(".safetensors") for name in left)  # files, but no model
+    with pytest.raises(CheckpointError, match="no published model"):
+        with downloaded(published):
+            pass
+    result = cli("verify", published)
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_put_file", put)
+    s3fs.S3FileSystem.clear_instance_cache()
+    manifest = merge_checkpoint(source_of(published), published, dtype="float32", overwrite=True)
+    assert manifest["dtype"] == "float32"
+    assert cli("verify", published).exit_code == 0
+
+
+def test_promotion_from_s3_to_s3_equals_the_local_merge(prefect_server, s3_env, demo, cli, tmp_path):
+    ckpt = demo("fsdp2-w2")
+    source = upload(s3_env, ckpt, "io-ckpts/io4")
+    assert cli("merge", "--local_dir", ckpt.role_dir, "--target_dir", tmp_path / "local").exit_code == 0
+
+    result = cli("promote", source, "--target", "s3://io-models/io4")
+    assert result.exit_code == 0, result.output
+    assert "verified model: s3://io-models/io4" in result.stdout
+
+    remote = objects(s3_env, "io-models/io4")
+    for path in (tmp_path / "local").glob("*.safetensors"):
+        assert remote[path.name] == path.read_bytes(), path.name
+    assert MANIFEST in remote and cli("verify", "s3://io-models/io4").exit_code == 0
