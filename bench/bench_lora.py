@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from measure import measure
+from measure import median_run
 
 HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
@@ -109,23 +106,10 @@ def checkpoints(work: Path, layers: int) -> dict[str, Path]:
     return roles
 
 
-def warm(role: Path) -> None:
-    subprocess.run(f"sync && cat {role}/model_*.pt > /dev/null", shell=True, check=True)
-
-
 def run(label: str, role: Path, out: Path, repeat: int, extra: list[str]) -> dict:
     argv = [PYTHON, str(HERE / "ckptflow_merge.py"), "merge", "--dtype", "bf16", "--local_dir", str(role),
             "--target_dir", str(out), *extra]
-    samples = []
-    for _ in range(repeat):
-        shutil.rmtree(out, ignore_errors=True)
-        warm(role)
-        samples.append(measure(argv))
-    shutil.rmtree(out, ignore_errors=True)
-    median = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-    print(f"  {label:<34} {median['seconds']:6.2f} s (after imports {median['work_seconds']:5.2f} s)   "
-          f"anon {median['anon_mib']:6.0f} MiB   rss {median['rss_mib']:6.0f} MiB", flush=True)
-    return median
+    return median_run(label, argv, out, repeat, f"{role}/model_*.pt")
 
 
 def main() -> None:

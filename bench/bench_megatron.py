@@ -15,13 +15,10 @@ and the ratio Megatron / FSDP is printed (goal <= 1.3x).
 from __future__ import annotations
 
 import argparse
-import shutil
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from measure import measure
+from measure import median_run
 
 HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
@@ -56,16 +53,7 @@ def checkpoint(work: Path) -> Path:
 
 
 def run(label: str, argv: list[str], out: Path, repeat: int, role: Path) -> dict:
-    samples = []
-    for _ in range(repeat):
-        shutil.rmtree(out, ignore_errors=True)
-        subprocess.run(f"sync && cat {role}/model/dist_ckpt/*.distcp > /dev/null", shell=True, check=True)
-        samples.append(measure(argv))
-    shutil.rmtree(out, ignore_errors=True)
-    median = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-    print(f"  {label:<34} {median['seconds']:6.2f} s   anon {median['anon_mib']:6.0f} MiB   rss {median['rss_mib']:6.0f} MiB",
-          flush=True)
-    return median
+    return median_run(label, argv, out, repeat, f"{role}/model/dist_ckpt/*.distcp")
 
 
 def main() -> None:
@@ -97,17 +85,9 @@ def main() -> None:
 
 
 def run_fsdp(role: Path, out: Path, repeat: int) -> dict:
-    samples = []
-    for _ in range(repeat):
-        shutil.rmtree(out, ignore_errors=True)
-        subprocess.run(f"sync && cat {role}/model_*.pt > /dev/null", shell=True, check=True)
-        samples.append(measure([PYTHON, "-m", "flows.cli", "merge", "--backend", "fsdp", "--local_dir", str(role),
-                                "--target_dir", str(out), "--dtype", "bf16"]))
-    shutil.rmtree(out, ignore_errors=True)
-    median = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-    print(f"  {'ckptflow merge, FSDP (bf16, verified)':<34} {median['seconds']:6.2f} s   anon {median['anon_mib']:6.0f} MiB   "
-          f"rss {median['rss_mib']:6.0f} MiB", flush=True)
-    return median
+    argv = [PYTHON, "-m", "flows.cli", "merge", "--backend", "fsdp", "--local_dir", str(role), "--target_dir", str(out),
+            "--dtype", "bf16"]
+    return median_run("ckptflow merge, FSDP (bf16, verified)", argv, out, repeat, f"{role}/model_*.pt")
 
 
 if __name__ == "__main__":

@@ -16,12 +16,10 @@ import argparse
 import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from measure import measure
+from measure import median_run
 
 HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
@@ -62,16 +60,7 @@ def run(label: str, role: Path, out: Path, dtype: str, budget: str, repeat: int)
     env = {**os.environ, "CKPTFLOW_CHUNK_BYTES": budget, "PYTHONPATH": str(HERE.parent)}
     argv = [PYTHON, str(HERE / "ckptflow_merge.py"), "merge", "--local_dir", str(role), "--target_dir", str(out),
             "--dtype", dtype]
-    samples = []
-    for _ in range(repeat):
-        shutil.rmtree(out, ignore_errors=True)
-        subprocess.run(f"sync && cat {role}/model_*.pt > /dev/null", shell=True, check=True)
-        samples.append(measure(argv, env))
-    shutil.rmtree(out, ignore_errors=True)
-    median = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-    print(f"  {label:<22} {median['seconds']:6.2f} s   anon {median['anon_mib']:6.0f} MiB   "
-          f"rss {median['rss_mib']:6.0f} MiB", flush=True)
-    return median
+    return median_run(label, argv, out, repeat, f"{role}/model_*.pt", env)
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from measure import measure
+from measure import median_run, warm
 
 HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
@@ -48,22 +48,8 @@ def checkpoint(work: Path, layers: int) -> Path:
     return role
 
 
-def warm(role: Path) -> None:
-    """Input in page cache, no dirty pages left from the previous sample's output."""
-    subprocess.run(f"sync && cat {role}/model_*.pt > /dev/null", shell=True, check=True)
-
-
 def run(label: str, argv: list[str], out: Path, repeat: int, role: Path) -> dict:
-    samples = []
-    for _ in range(repeat):
-        shutil.rmtree(out, ignore_errors=True)
-        warm(role)  # this machine reclaims idle page cache proactively (DAMON): re-warm before every sample
-        samples.append(measure(argv))
-    shutil.rmtree(out, ignore_errors=True)
-    median = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-    print(f"  {label:<28} {median['seconds']:6.2f} s (after imports {median['work_seconds']:5.2f} s)   "
-          f"anon {median['anon_mib']:6.0f} MiB   rss {median['rss_mib']:6.0f} MiB", flush=True)
-    return median
+    return median_run(label, argv, out, repeat, f"{role}/model_*.pt")
 
 
 def merge_phase_seconds(role: Path, out: Path, extra: list[str], repeat: int) -> float:

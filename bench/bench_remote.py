@@ -16,7 +16,6 @@ import collections
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path

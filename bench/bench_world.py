@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from measure import measure
+from measure import median_run
 
 HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
@@ -38,21 +36,8 @@ def checkpoint(work: Path, world_size: int) -> Path:
     return role
 
 
-def warm(role: Path) -> None:
-    subprocess.run(f"sync && cat {role}/model_*.pt > /dev/null", shell=True, check=True)
-
-
 def run(label: str, argv: list[str], out: Path, repeat: int, role: Path) -> dict:
-    samples = []
-    for _ in range(repeat):
-        shutil.rmtree(out, ignore_errors=True)
-        warm(role)
-        samples.append(measure(argv))
-    shutil.rmtree(out, ignore_errors=True)
-    median = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-    print(f"  {label:<24} {median['seconds']:7.2f} s (after imports {median['work_seconds']:6.2f} s)   "
-          f"anon {median['anon_mib']:5.0f} MiB", flush=True)
-    return median
+    return median_run(label, argv, out, repeat, f"{role}/model_*.pt")
 
 
 def main() -> None:
@@ -73,10 +58,8 @@ def main() -> None:
             PYTHON, str(HERE / "ckptflow_merge.py"), "merge", "--dtype", "bf16", "--local_dir", str(role),
             "--target_dir", str(out)], out, args.repeat, role)}
         if not args.skip_verl:
-            # torch warns once per rank file while unpickling DeviceMeshes: 1024 warnings would fill the
-            # stderr pipe measure() reads only at the end, and the merger would block on it forever
-            quiet = f"exec {PYTHON} {HERE / 'verl_style_merge.py'} {role} {out} 2>{args.work / 'verl-stderr.txt'}"
-            results[world]["verl"] = run("verl-style merger", ["bash", "-c", quiet], out, args.repeat, role)
+            results[world]["verl"] = run("verl-style merger", [PYTHON, str(HERE / "verl_style_merge.py"), str(role),
+                                                               str(out)], out, args.repeat, role)
 
     big, small = results[1024], results[256]
     print("\nratios (goals from issue 12 in brackets)")

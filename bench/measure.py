@@ -5,8 +5,12 @@ mmapped checkpoint pages are page cache, reclaimable and shared: RssAnon leaves 
 
 from __future__ import annotations
 
+import shutil
+import statistics
 import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 
 def _status_kib(pid: int) -> tuple[int, int]:
@@ -25,20 +29,46 @@ def measure(argv: list[str], env: dict | None = None) -> dict:
 
     A program that prints `work_seconds=X` (its time after imports) gets that reported too.
     """
-    started = time.perf_counter()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    peak_anon = peak_total = 0
-    while proc.poll() is None:
-        try:
-            anon, total = _status_kib(proc.pid)
-        except (FileNotFoundError, ProcessLookupError):
-            break
-        peak_anon, peak_total = max(peak_anon, anon), max(peak_total, total)
-        time.sleep(0.002)
-    stdout, stderr = proc.communicate()
-    seconds = time.perf_counter() - started
+    # Output goes to files, not pipes: a child that writes more than a pipe holds would block until the end.
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        started = time.perf_counter()
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err)
+        peak_anon = peak_total = 0
+        while proc.poll() is None:
+            try:
+                anon, total = _status_kib(proc.pid)
+            except (FileNotFoundError, ProcessLookupError):
+                break
+            peak_anon, peak_total = max(peak_anon, anon), max(peak_total, total)
+            time.sleep(0.002)
+        proc.wait()
+        seconds = time.perf_counter() - started
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
     if proc.returncode:
         raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {stderr.decode()[-2000:]}")
     work = [float(line.split("=")[1]) for line in stdout.decode().splitlines() if line.startswith("work_seconds=")]
     return {"seconds": seconds, "work_seconds": work[-1] if work else seconds,
             "anon_mib": peak_anon / 1024, "rss_mib": peak_total / 1024}
+
+
+def warm(pattern: str) -> None:
+    """Input files (a shell glob) in page cache and no dirty pages left from the previous sample's output;
+    this machine reclaims idle page cache proactively, so it runs before every sample."""
+    subprocess.run(f"sync && cat {pattern} > /dev/null", shell=True, check=True)
+
+
+def median_run(label: str, argv: list[str], out: Path, repeat: int, inputs: str, env: dict | None = None) -> dict:
+    """Medians of `repeat` samples of `argv` (each after `warm(inputs)`, with `out` removed first and after),
+    printed on one line."""
+    samples = []
+    for _ in range(repeat):
+        shutil.rmtree(out, ignore_errors=True)
+        warm(inputs)
+        samples.append(measure(argv, env))
+    shutil.rmtree(out, ignore_errors=True)
+    median = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+    print(f"  {label:<38} {median['seconds']:7.2f} s (after imports {median['work_seconds']:6.2f} s)   "
+          f"anon {median['anon_mib']:6.0f} MiB   rss {median['rss_mib']:6.0f} MiB", flush=True)
+    return median

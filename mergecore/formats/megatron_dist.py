@@ -342,14 +342,7 @@ class MegatronDistCheckpoint(CheckpointSource):
         always is), else copied together from the chunks that overlap it."""
         box_offsets, box_sizes = self._box(s)
         dest = None
-        for chunk_offsets, chunk_sizes, info in self._chunk_files.get(s.key, []):
-            low = [max(b, c) for b, c in zip(box_offsets, chunk_offsets)]
-            high = [min(b + n, c + m) for b, n, c, m in zip(box_offsets, box_sizes, chunk_offsets, chunk_sizes)]
-            if any(lo >= hi for lo, hi in zip(low, high)):
-                continue
-            self._refuse_extensions(s, info)
-            chunk = self._chunk_array(info, chunk_sizes)
-            inside = tuple(slice(lo - c, hi - c) for lo, hi, c in zip(low, high, chunk_offsets))
+        for low, high, chunk, inside, _ in self._overlapping_chunks(s, box_offsets, box_sizes):
             if dest is None and [hi - lo for lo, hi in zip(low, high)] == list(box_sizes):
                 return chunk[inside].reshape(s.shape)
             if dest is None:
@@ -360,6 +353,18 @@ class MegatronDistCheckpoint(CheckpointSource):
             raise CheckpointError(f"{self.dist_dir.join(DIST_METADATA_FILE)}: no chunk of {s.key} holds {s.index}; "
                                   "the metadata is damaged: copy the dist_ckpt folder again")
         return dest.reshape(s.shape)
+
+    def _overlapping_chunks(self, s: Slice, box_offsets, box_sizes):
+        """(low, high, mapped chunk, index of the overlap within it, chunk info) of each stored chunk of `s.key`
+        overlapping the box; `low`/`high` are the overlap's global bounds."""
+        for chunk_offsets, chunk_sizes, info in self._chunk_files.get(s.key, []):
+            low = [max(b, c) for b, c in zip(box_offsets, chunk_offsets)]
+            high = [min(b + n, c + m) for b, n, c, m in zip(box_offsets, box_sizes, chunk_offsets, chunk_sizes)]
+            if any(lo >= hi for lo, hi in zip(low, high)):
+                continue
+            self._refuse_extensions(s, info)
+            inside = tuple(slice(lo - c, hi - c) for lo, hi, c in zip(low, high, chunk_offsets))
+            yield low, high, self._chunk_array(info, chunk_sizes), inside, info
 
     def _refuse_extensions(self, s: Slice, info) -> None:
         if info.transform_descriptors:
@@ -458,16 +463,9 @@ class MegatronDistCheckpoint(CheckpointSource):
         where = f"[{', '.join(map(str, s.index))}]" if s.index else ""
         runs = transform.row_map(s.shape[0], entry.part) if s.shape else []
         found = False
-        for chunk_offsets, chunk_sizes, info in self._chunk_files.get(s.key, []):
-            low = [max(b, c) for b, c in zip(box_offsets, chunk_offsets)]
-            high = [min(b + n, c + m) for b, n, c, m in zip(box_offsets, box_sizes, chunk_offsets, chunk_sizes)]
-            if any(lo >= hi for lo, hi in zip(low, high)):
-                continue
+        for low, high, chunk, inside, info in self._overlapping_chunks(s, box_offsets, box_sizes):
             found = True
-            self._refuse_extensions(s, info)
-            inside = self._chunk_array(info, chunk_sizes)[tuple(slice(lo - c, hi - c) for lo, hi, c in
-                                                                  zip(low, high, chunk_offsets))]
-            view = inside[(0,) * lead + (...,)]  # the slice's own axes (a view; `...` keeps a 0-d one an array)
+            view = chunk[inside][(0,) * lead + (...,)]  # the slice's own axes (a view; `...` keeps a 0-d one an array)
             start = [lo - b for lo, b in zip(low[lead:], box_offsets[lead:])]
             source = f"{self.dist_dir.join(info.relative_path)}: {s.key}{where}{what}"
             if not s.shape:
