@@ -486,8 +486,8 @@ def promote_latest_command(
 @app.command()
 @cli_errors
 def deploy(
-    target_root: Optional[str] = typer.Option(None, "--target-root", help="Folder promotions of events land under "
-                                              "({root}/{run}/step-{N}); default: what the deployment already has."),
+    target_root: Optional[str] = typer.Option(None, "--target-root", help="Folder or object-store URL (s3://...) promotions "
+                                              "of events land under ({root}/{run}/step-{N}); default: what the deployment already has."),
     hub_org: Optional[str] = typer.Option(None, "--hub-org", help="Hub organisation events push to ({org}/{run}, "
                                           "branch step-{N}); default: what the deployment already has, else no push."),
     pool: str = typer.Option("ckptflow-process", "--pool", help="Process work pool to create and deploy to."),

@@ -44,12 +44,13 @@ def with_env(value, env: dict, where: str):
 
 
 def boundary_options(target_root: str | None, hub_org: str | None) -> dict:
-    """The checked --target-root (absolute: the worker runs elsewhere) and --hub-org; None where not given."""
+    """The checked --target-root (a path made absolute: the worker runs elsewhere; or an fsspec URL such as
+    s3://bucket/models, where promotions are published manifest last) and --hub-org; None where not given."""
     if target_root is not None:
         if "://" in target_root and not target_root.startswith("file://"):
-            raise CheckpointError(f"--target-root {target_root}: promotions write a local folder (the worker's disk "
-                                  "or a mounted volume); pass a path")
-        target_root = os.path.abspath(os.path.expanduser(target_root.removeprefix("file://")))
+            target_root = target_root.rstrip("/")
+        else:
+            target_root = os.path.abspath(os.path.expanduser(target_root.removeprefix("file://")))
     if hub_org is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}", hub_org):
         raise CheckpointError(f"--hub-org {hub_org!r} is not a Hub organisation name")
     return {"target_root": target_root, "hub_org": hub_org}

@@ -48,6 +48,16 @@ def test_a_symlink_inside_the_root_that_leads_out_is_refused(tmp_path):
     assert inside_root(str(root / "real" / "model"), str(root)) == str(root / "real" / "model")
 
 
+def test_deploy_takes_a_path_or_an_object_store_root(tmp_path, monkeypatch):
+    from flows.deploy import boundary_options
+
+    monkeypatch.chdir(tmp_path)
+    assert boundary_options("models", "acme") == {"target_root": str(tmp_path / "models"), "hub_org": "acme"}
+    assert boundary_options("s3://bucket/models/", None)["target_root"] == "s3://bucket/models"
+    with pytest.raises(CheckpointError, match="not a Hub organisation"):
+        boundary_options(None, "acme/../x")
+
+
 def test_url_roots_compare_normalised_paths():
     assert inside_root("s3://b/models/r/x", "s3://b/models") == "s3://b/models/r/x"
     assert inside_root("r/x", "s3://b/models/") == "s3://b/models/r/x"
