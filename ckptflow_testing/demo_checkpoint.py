@@ -40,7 +40,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DemoSpec", "DemoCheckpoint", "DemoCheckpointError", "write_demo_checkpoint"]
+__all__ = ["DemoSpec", "DemoCheckpoint", "DemoCheckpointError", "write_demo_checkpoint", "write_demo_checkpoints"]
 
 ARCHS = ("qwen2", "llama", "critic", "qwen3_moe", "qwen2_moe", "mixtral", "qwen2_5_vl", "qwen3_vl", "gemma3_text")
 MODES = ("fsdp2", "hsdp", "fsdp1_mesh", "fsdp1", "single")
@@ -735,8 +735,9 @@ def _save_lora_references(peft_model, full: dict, reference_dir: Path, role_dir:
     (role_dir / "lora_train_meta.json").write_text(json.dumps(meta) + "\n")
 
 
-def _worker(rank: int, world_size: int, port: int, spec_dict: dict, role_dir: str, reference_dir: str) -> None:
-    """Entry point of one spawned rank (module level so that spawn can import it)."""
+def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[dict, str, str]]) -> None:
+    """Entry point of one spawned rank (module level so that spawn can import it): trains and saves each
+    job's (spec, role folder, reference folder) in turn, in one process group."""
     import faulthandler
 
     import torch
@@ -766,8 +767,9 @@ def _worker(rank: int, world_size: int, port: int, spec_dict: dict, role_dir: st
         timeout=timedelta(seconds=120),
     )
     try:
-        _train_and_save(rank, world_size, DemoSpec(**spec_dict), Path(role_dir), Path(reference_dir))
-        dist.barrier()
+        for spec_dict, role_dir, reference_dir in jobs:
+            _train_and_save(rank, world_size, DemoSpec(**spec_dict), Path(role_dir), Path(reference_dir))
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -838,27 +840,27 @@ def _spawnable_main():
             main.__file__ = path
 
 
-def _run_distributed(spec: DemoSpec, role_dir: Path, reference_dir: Path) -> None:
+def _run_distributed(world_size: int, jobs: list[tuple[DemoSpec, Path, Path]]) -> None:
     # Worth another try: the free port was taken before rank 0 bound it, or a rank died by a signal,
     # as gloo's teardown occasionally aborts a process on a loaded 2-core machine
     # ("terminate called without an active exception"). Every rank rewrites its files on a retry.
     for attempt in range(3):
         try:
-            return _run_ranks(spec, role_dir, reference_dir, _free_port())
+            return _run_ranks(world_size, jobs, _free_port())
         except DemoCheckpointError as exc:
             transient = "address already in use" in str(exc).lower() or "signal" in str(exc).lower()
             if attempt == 2 or not transient:
                 raise
 
 
-def _run_ranks(spec: DemoSpec, role_dir: Path, reference_dir: Path, port: int) -> None:
+def _run_ranks(world_size: int, jobs: list[tuple[DemoSpec, Path, Path]], port: int) -> None:
     import torch.multiprocessing as tmp
 
     with _spawnable_main():
         context = tmp.start_processes(
             _worker,
-            args=(spec.world_size, port, asdict(spec), str(role_dir), str(reference_dir)),
-            nprocs=spec.world_size,
+            args=(world_size, port, [(asdict(spec), str(role), str(ref)) for spec, role, ref in jobs]),
+            nprocs=world_size,
             join=False,
             start_method="spawn",
         )
@@ -890,41 +892,68 @@ def write_demo_checkpoint(out_dir: str | Path, spec: DemoSpec = DemoSpec()) -> D
     checkpoint for this step/role or a ``reference`` folder, ``ValueError`` for an invalid
     spec and ``DemoCheckpointError`` (with the worker's traceback) when a rank fails.
     """
-    _validate(spec)
-    run_root = Path(out_dir).resolve()
-    role_dir = run_root / f"global_step_{spec.step}" / _role(spec)
-    reference_dir = run_root / "reference"
-    for d in (role_dir, reference_dir):
-        if d.exists() and any(d.iterdir()):
-            raise FileExistsError(f"{d} already exists and is not empty")
-    run_root.mkdir(parents=True, exist_ok=True)
+    return write_demo_checkpoints({out_dir: spec})[out_dir]
 
-    # Build into a staging folder next to the result so a failed run leaves nothing half-written.
-    staging = Path(tempfile.mkdtemp(prefix=".demo_ckpt_", dir=run_root))
+
+def write_demo_checkpoints(specs: dict) -> dict:
+    """`write_demo_checkpoint` for each `{out_dir: spec}`; checkpoints written by the same ranks (FSDP2, the
+    same world size) share one start of the rank processes, most of a tiny checkpoint's cost.
+
+    >>> made = write_demo_checkpoints({"ckpts/moe": DemoSpec(arch="qwen3_moe"), "ckpts/vl": DemoSpec(arch="qwen3_vl")})  # doctest: +SKIP
+    """
+    for spec in specs.values():
+        _validate(spec)
+    staged: dict = {}
     try:
-        st_role = staging / "role"
-        st_ref = staging / "reference"
-        (st_role / "huggingface").mkdir(parents=True)
-        st_ref.mkdir()
+        for out_dir, spec in specs.items():
+            staged[out_dir] = _Staged(out_dir, spec)
+        batches: dict[int, list[_Staged]] = {}
+        for job in staged.values():
+            if job.spec.mode == "single":
+                _run_single(job.spec, job.role, job.reference)
+            elif job.spec.mode == "fsdp2":
+                batches.setdefault(job.spec.world_size, []).append(job)
+            else:  # other meshes and FSDP1 wrapping: a process group of their own
+                _run_distributed(job.spec.world_size, [job.as_job()])
+        for world_size, jobs in batches.items():
+            _run_distributed(world_size, [job.as_job() for job in jobs])
+        return {out_dir: job.publish() for out_dir, job in staged.items()}
+    finally:
+        for job in staged.values():
+            shutil.rmtree(job.staging, ignore_errors=True)
 
-        tokenizer = _build_tokenizer(spec.vocab_size)
+
+class _Staged:
+    """One checkpoint being built in a staging folder next to its run root, so a failed run leaves nothing
+    half-written; `publish` moves it into place."""
+
+    def __init__(self, out_dir: str | Path, spec: DemoSpec):
+        self.spec = spec
+        self.run_root = Path(out_dir).resolve()
+        self.role_dir = self.run_root / f"global_step_{spec.step}" / _role(spec)
+        self.reference_dir = self.run_root / "reference"
+        for d in (self.role_dir, self.reference_dir):
+            if d.exists() and any(d.iterdir()):
+                raise FileExistsError(f"{d} already exists and is not empty")
+        self.run_root.mkdir(parents=True, exist_ok=True)
+        self.staging = Path(tempfile.mkdtemp(prefix=".demo_ckpt_", dir=self.run_root))
+        self.role, self.reference = self.staging / "role", self.staging / "reference"
+        (self.role / "huggingface").mkdir(parents=True)
+        self.reference.mkdir()
+        self.tokenizer = _build_tokenizer(spec.vocab_size)
         if spec.arch in _VLM_ARCHS:
-            _add_vision_tokens(tokenizer)
-        _write_hf_dir(spec, st_role / "huggingface", tokenizer)
+            _add_vision_tokens(self.tokenizer)
+        _write_hf_dir(spec, self.role / "huggingface", self.tokenizer)
 
-        if spec.mode == "single":
-            _run_single(spec, st_role, st_ref)
-        else:
-            _run_distributed(spec, st_role, st_ref)
-        _save_tokenizer(tokenizer, st_ref, spec.arch)
+    def as_job(self) -> tuple[DemoSpec, Path, Path]:
+        return self.spec, self.role, self.reference
 
-        role_dir.parent.mkdir(parents=True, exist_ok=True)
-        for src, dst in ((st_role, role_dir), (st_ref, reference_dir)):
+    def publish(self) -> DemoCheckpoint:
+        _save_tokenizer(self.tokenizer, self.reference, self.spec.arch)
+        self.role_dir.parent.mkdir(parents=True, exist_ok=True)
+        for src, dst in ((self.role, self.role_dir), (self.reference, self.reference_dir)):
             if dst.exists():
                 dst.rmdir()  # empty (checked above)
             os.replace(src, dst)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-    (run_root / "latest_checkpointed_iteration.txt").write_text(str(spec.step))
-    return DemoCheckpoint(run_root=run_root, role_dir=role_dir, reference_dir=reference_dir)
+        (self.run_root / "latest_checkpointed_iteration.txt").write_text(str(self.spec.step))
+        return DemoCheckpoint(run_root=self.run_root, role_dir=self.role_dir, reference_dir=self.reference_dir)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ckptflow_testing.demo_checkpoint import DemoCheckpoint, DemoSpec, write_demo_checkpoint
+from ckptflow_testing.demo_checkpoint import DemoCheckpoint, DemoSpec, write_demo_checkpoints
 
 # One checkpoint per way verl can save an FSDP model (see shared/FACTS.md).
 VARIANTS = {
@@ -23,17 +23,34 @@ VARIANTS = {
     "fsdp1-sharded-tensor-tied": DemoSpec(mode="fsdp1", world_size=2, tie_word_embeddings=True),
     "critic-w2": DemoSpec(arch="critic", world_size=2),
     "single-llama": DemoSpec(arch="llama", mode="single", world_size=1),
+    "fsdp2-w2-llama-tied-placement": DemoSpec(arch="llama", tie_word_embeddings=True, shard_placement_fn=True),
+    # the families transformers keeps in another layout in memory than on the Hub, and LoRA (issue 10)
+    "qwen3_moe": DemoSpec(arch="qwen3_moe"),
+    "qwen2_moe": DemoSpec(arch="qwen2_moe"),
+    "mixtral": DemoSpec(arch="mixtral"),
+    "qwen2_5_vl": DemoSpec(arch="qwen2_5_vl"),
+    "qwen3_vl": DemoSpec(arch="qwen3_vl"),
+    "gemma3_text": DemoSpec(arch="gemma3_text"),
+    "lora-full": DemoSpec(lora=True),
+    "lora-only": DemoSpec(lora=True, lora_only=True),
+    "lora-moe": DemoSpec(arch="qwen3_moe", lora=True),
 }
 
 
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory):
-    """`demo(name)` -> DemoCheckpoint for one of VARIANTS, written on first use."""
+    """`demo(name)` -> DemoCheckpoint for one of VARIANTS, written on first use, together with every other FSDP2
+    variant of the same world size (one start of the rank processes for all: most of a tiny checkpoint's cost)."""
     made: dict[str, DemoCheckpoint] = {}
 
     def get(name: str) -> DemoCheckpoint:
         if name not in made:
-            made[name] = write_demo_checkpoint(tmp_path_factory.mktemp(name), VARIANTS[name])
+            spec = VARIANTS[name]
+            together = [other for other, s in VARIANTS.items() if other not in made and s.mode == "fsdp2"
+                        and s.world_size == spec.world_size] if spec.mode == "fsdp2" else [name]
+            folders = {other: tmp_path_factory.mktemp(other) for other in together}
+            written = write_demo_checkpoints({folders[other]: VARIANTS[other] for other in together})
+            made.update({other: written[folders[other]] for other in together})
         return made[name]
 
     return get

@@ -56,14 +56,13 @@ def _assemble(shards: list[dict], key: str, ranks: list[int] | None = None) -> t
 
 
 @pytest.fixture(scope="module")
-def fsdp2(tmp_path_factory) -> DemoCheckpoint:
-    return write_demo_checkpoint(tmp_path_factory.mktemp("fsdp2"), DemoSpec())
+def fsdp2(demo) -> DemoCheckpoint:
+    return demo("fsdp2-w2")
 
 
 @pytest.fixture(scope="module")
-def placement_tied(tmp_path_factory) -> DemoCheckpoint:
-    spec = DemoSpec(arch="llama", tie_word_embeddings=True, shard_placement_fn=True)
-    return write_demo_checkpoint(tmp_path_factory.mktemp("placement_tied"), spec)
+def placement_tied(demo) -> DemoCheckpoint:
+    return demo("fsdp2-w2-llama-tied-placement")
 
 
 # --------------------------------------------------------------------------- fsdp2, W=2
@@ -301,4 +300,4 @@ def test_worker_error_reaches_the_parent(tmp_path):
     (tmp_path / "role").mkdir()
     (tmp_path / "ref").mkdir()
     with pytest.raises(DemoCheckpointError, match=r"(?s)rank \d failed.*huggingface"):
-        _run_distributed(DemoSpec(), tmp_path / "role", tmp_path / "ref")
+        _run_distributed(2, [(DemoSpec(), tmp_path / "role", tmp_path / "ref")])

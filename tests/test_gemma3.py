@@ -8,14 +8,14 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM
 
-from ckptflow_testing.demo_checkpoint import LOGITS_FILE, DemoSpec, write_demo_checkpoint
+from ckptflow_testing.demo_checkpoint import LOGITS_FILE
 from mergecore import compare_logits, merge_checkpoint
 from weights import load_folder
 
 
 @pytest.fixture(scope="session")
-def gemma(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("gemma3-text"), DemoSpec(arch="gemma3_text"))
+def gemma(demo):
+    return demo("gemma3_text")
 
 
 def test_gemma3_merges_to_save_pretrained_files_and_own_logits(gemma, tmp_path):

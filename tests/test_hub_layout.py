@@ -11,15 +11,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ckptflow_testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
 from mergecore import compare_logits, merge_checkpoint, open_checkpoint
 from mergecore.formats.fsdp import load_rank_file
 from weights import assert_cast_of, load_folder
 
 
 @pytest.fixture(scope="session")
-def moe(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("qwen3-moe"), DemoSpec(arch="qwen3_moe", world_size=2))
+def moe(demo):
+    return demo("qwen3_moe")
 
 
 def test_rank_files_hold_packed_experts(moe):

@@ -13,19 +13,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckptflow_testing.demo_checkpoint import LOGITS_FILE, LORA_ALPHA, LORA_R, DemoSpec, write_demo_checkpoint
+from ckptflow_testing.demo_checkpoint import LOGITS_FILE, LORA_ALPHA, LORA_R
 
 pytest.importorskip("peft")
 
 
 @pytest.fixture(scope="session")
-def lora_full(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("lora-full"), DemoSpec(lora=True))
+def lora_full(demo):
+    return demo("lora-full")
 
 
 @pytest.fixture(scope="session")
-def lora_only(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("lora-only"), DemoSpec(lora=True, lora_only=True))
+def lora_only(demo):
+    return demo("lora-only")
 
 
 def _rank0_names(demo) -> list[str]:
@@ -216,8 +216,8 @@ def test_dense_lora_merge_never_imports_transformers(lora_full, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def lora_moe(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("lora-moe"), DemoSpec(arch="qwen3_moe", lora=True))
+def lora_moe(demo):
+    return demo("lora-moe")
 
 
 def test_moe_lora_merges_to_merge_and_unloads_hub_layout(cli, lora_moe, tmp_path):

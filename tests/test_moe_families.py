@@ -17,7 +17,6 @@ import json
 import pytest
 import torch
 
-from ckptflow_testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
 from conftest import copy_run
 from mergecore import CheckpointError, compare_logits, merge_checkpoint
 from mergecore.formats.fsdp import load_rank_file
@@ -35,10 +34,9 @@ FAMILIES = {
 
 
 @pytest.fixture(scope="session", params=list(FAMILIES))
-def family(request, tmp_path_factory):
+def family(request, demo):
     """(arch, DemoCheckpoint): one real FSDP2 checkpoint per family per session."""
-    arch = request.param
-    return arch, write_demo_checkpoint(tmp_path_factory.mktemp(arch), DemoSpec(arch=arch, world_size=2))
+    return request.param, demo(request.param)
 
 
 def test_rank_files_hold_packed_experts(family):

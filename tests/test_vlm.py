@@ -16,7 +16,7 @@ import torch
 import torch.distributed.tensor  # noqa: F401 - rank files hold DTensors
 import transformers
 
-from ckptflow_testing.demo_checkpoint import LOGITS_FILE, DemoSpec, write_demo_checkpoint
+from ckptflow_testing.demo_checkpoint import LOGITS_FILE
 from mergecore import compare_logits, merge_checkpoint
 from mergecore.formats.fsdp import load_rank_file
 from weights import assert_cast_of, load_folder
@@ -27,8 +27,8 @@ PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json",
 
 
 @pytest.fixture(scope="session", params=list(FAMILIES))
-def vlm(request, tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp(request.param), DemoSpec(arch=request.param))
+def vlm(request, demo):
+    return demo(request.param)
 
 
 @pytest.fixture(scope="session")
