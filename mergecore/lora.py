@@ -182,11 +182,26 @@ def read_hyperparameters(source: CheckpointSource, names: Iterable[str], overrid
     )
 
 
-def fused_delta(a: np.ndarray, b: np.ndarray, scale: float, embedding: bool) -> np.ndarray:
-    """scale · B @ A in fp32 (transposed for embeddings, whose A is [r, vocab] and B [dim, r], as in peft)."""
-    delta = b.astype(np.float32, copy=False) @ a.astype(np.float32, copy=False)
-    delta *= np.float32(scale)
-    return delta.T if embedding else delta
+_DELTA_TILE = 256  # output rows per matmul: see add_fused_delta
+
+
+def add_fused_delta(into: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float, embedding: bool, start: int) -> None:
+    """`into += rows [start, start + len(into))` of scale · B @ A in fp32 (transposed for embeddings, whose A
+    is [r, vocab] and B [dim, r], as in peft).
+
+    The product is taken in fixed tiles of `_DELTA_TILE` output rows aligned to multiples of it, so a row's
+    value never depends on how the caller blocks the rows (BLAS may round another shape differently): the
+    merge streams row blocks of any size and the round-trip check rebuilds them bit for bit.
+    """
+    a, b = a.astype(np.float32, copy=False), b.astype(np.float32, copy=False)
+    rows = a.shape[1] if embedding else b.shape[0]
+    stop = start + into.shape[0]
+    for tile in range(start // _DELTA_TILE * _DELTA_TILE, stop, _DELTA_TILE):
+        end = min(tile + _DELTA_TILE, rows)
+        delta = (b @ a[:, tile:end]).T if embedding else b[tile:end] @ a
+        delta *= np.float32(scale)
+        low, high = max(start, tile), min(stop, end)
+        into[low - start:high - start] += delta[low - tile:high - tile]
 
 
 class LoraFusedSource(CheckpointSource):
@@ -260,7 +275,7 @@ class LoraFusedSource(CheckpointSource):
         return self.weights.pieces(self._names[name])
 
     def streams(self, name: str) -> bool:
-        return not self.adapted(name) and self.weights.streams(self._names[name])  # fused ones are computed whole
+        return self.weights.streams(self._names[name])  # a fused tensor's rows need only the base's same rows
 
     def adapted(self, name: str) -> bool:
         """Whether `name` is computed (W + scale·B·A) rather than read as saved."""
@@ -282,48 +297,52 @@ class LoraFusedSource(CheckpointSource):
         found = {"r": hyper.r, "alpha": hyper.alpha, "use_rslora": hyper.use_rslora, "output": self.output}
         return {**found, "base_model": self.base_model} if self.base_model else found
 
-    def read(self, name: str, dtype: str | None = None):
+    def read_rows(self, name: str, start: int, stop: int, dtype: str | None = None):
+        """Rows [start, stop) of `name`: as saved, or fused as W + scale·B·A in fp32 and cast once (A and B are
+        small: r rows or columns), so a fused tensor streams in row blocks like any other."""
         from .arrays import cast
 
         pair = self._pairs.get(name)
         if pair is None:
-            return self.weights.read(self._names[name], dtype)
-        fused = self.weights.read(self._names[name], "float32")
-        fused += fused_delta(self.inner.read(pair.a, "float32"), self.inner.read(pair.b, "float32"),
-                             self.hyperparameters.scale, pair.embedding)
+            return self.weights.read_rows(self._names[name], start, stop, dtype)
+        fused = self.weights.read_rows(self._names[name], start, stop, "float32")
+        add_fused_delta(fused, self.inner.read(pair.a, "float32"), self.inner.read(pair.b, "float32"),
+                        self.hyperparameters.scale, pair.embedding, start)
         return cast(fused, dtype or self.tensors()[name].dtype)
 
     def check_round_trip(self, name: str, merged) -> int:
-        """Plain tensors: every piece re-found bit for bit. Fused ones: the base, A and B pieces (each read
-        once, from its own rank file) must rebuild the output bit for bit."""
-        from .arrays import bitwise_equal, cast, cast_into, dtype_of, to_numpy
+        """Plain tensors: every piece re-found bit for bit. Fused ones: every base, A and B piece is read (HSDP
+        replicas must equal the piece they copy), and the output must equal W + (alpha/r)·B·A rebuilt from the
+        rank files, block of rows by block."""
+        from .arrays import bitwise_equal, dtype_of, to_numpy
+        from .budget import chunk_bytes, row_spans
 
         pair = self._pairs.get(name)
         if pair is None:
             return self.weights.check_round_trip(self._names[name], merged)
         merged = to_numpy(merged)
-        count = 0
-        parts = {}
-        for key, holder, source_name in (("w", self.weights, self._names[name]), ("a", self.inner, pair.a),
-                                         ("b", self.inner, pair.b)):
-            whole = np.empty(holder.tensors()[source_name].shape, np.float32)
-            pieces = list(holder.pieces(source_name))
-            for piece in pieces:
-                if piece.primary:
-                    cast_into(whole[piece.index], piece.tensor)
-            for piece in pieces:  # HSDP replicas must hold the same values as the piece they copy
-                if not piece.primary and not bitwise_equal(cast(piece.tensor, "float32"), whole[piece.index]):
-                    raise VerificationError(f"{piece.source}: tensor {source_name} differs from its replica; "
-                                            "the replicas diverged: pick the replica to trust and re-save")
-            count += len(pieces)
-            parts[key] = whole
-        rebuilt = parts["w"] + fused_delta(parts["a"], parts["b"], self.hyperparameters.scale, pair.embedding)
-        if not bitwise_equal(cast(rebuilt, dtype_of(merged)), merged):
-            raise VerificationError(
-                f"{self.location}: fused tensor {name} differs from W + (alpha/r)·B·A rebuilt from the rank files; "
-                "the merge is wrong: do not publish it (please report this)"
-            )
+        count = sum(_replicas_agree(holder, saved) for holder, saved in
+                    ((self.weights, self._names[name]), (self.inner, pair.a), (self.inner, pair.b)))
+        for low, high in row_spans(merged.shape, 4, chunk_bytes()):
+            if not bitwise_equal(self.read_rows(name, low, high, dtype_of(merged)), merged[low:high]):
+                raise VerificationError(
+                    f"{self.location}: fused tensor {name} differs from W + (alpha/r)·B·A rebuilt from the rank files; "
+                    "the merge is wrong: do not publish it (please report this)"
+                )
         return count
+
+
+def _replicas_agree(holder: CheckpointSource, name: str) -> int:
+    """The number of saved pieces of `name`; each HSDP replica must hold its primary piece's values."""
+    from .arrays import bitwise_equal
+
+    pieces = list(holder.pieces(name))
+    primary = {piece.offsets: piece for piece in pieces if piece.primary}
+    for piece in pieces:
+        if not piece.primary and not bitwise_equal(piece.tensor, primary[piece.offsets].tensor):
+            raise VerificationError(f"{piece.source}: tensor {name} differs from its replica; "
+                                    "the replicas diverged: pick the replica to trust and re-save")
+    return len(pieces)
 
 
 def fused_lora(source: CheckpointSource) -> LoraFusedSource | None:

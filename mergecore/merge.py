@@ -353,7 +353,7 @@ def merge_checkpoint(
                                backend=backend, hf_dir=hf_dir, dtype=dtype, max_shard_size=max_shard_size,
                                tie_word_embedding=tie_word_embedding, check_replicas=check_replicas, verify=verify,
                                workers=workers, on_group=on_group, on_tensor=on_tensor, checks=checks,
-                               on_nonfinite=on_nonfinite)
+                               on_nonfinite=on_nonfinite, chunk_bytes=chunk_bytes)
     target_path = check_target(target, overwrite)
     check_nonfinite_policy(on_nonfinite)
     clock = Stopwatch()
