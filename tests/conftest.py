@@ -24,7 +24,9 @@ VARIANTS = {
     "critic-w2": DemoSpec(arch="critic", world_size=2),
     "single-llama": DemoSpec(arch="llama", mode="single", world_size=1),
     "fsdp2-w2-llama-tied-placement": DemoSpec(arch="llama", tie_word_embeddings=True, shard_placement_fn=True),
-    # the families transformers keeps in another layout in memory than on the Hub, and LoRA (issue 10)
+}
+# Model families transformers keeps in memory in another layout than on the Hub, and LoRA: tested in files of their own.
+FAMILIES = {
     "qwen3_moe": DemoSpec(arch="qwen3_moe"),
     "qwen2_moe": DemoSpec(arch="qwen2_moe"),
     "mixtral": DemoSpec(arch="mixtral"),
@@ -36,20 +38,22 @@ VARIANTS = {
     "lora-moe": DemoSpec(arch="qwen3_moe", lora=True),
 }
 
+ALL = {**VARIANTS, **FAMILIES}
+
 
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory):
-    """`demo(name)` -> DemoCheckpoint for one of VARIANTS, written on first use, together with every other FSDP2
+    """`demo(name)` -> DemoCheckpoint for one of VARIANTS or FAMILIES, written on first use, together with every other FSDP2
     variant of the same world size (one start of the rank processes for all: most of a tiny checkpoint's cost)."""
     made: dict[str, DemoCheckpoint] = {}
 
     def get(name: str) -> DemoCheckpoint:
         if name not in made:
-            spec = VARIANTS[name]
-            together = [other for other, s in VARIANTS.items() if other not in made and s.mode == "fsdp2"
+            spec = ALL[name]
+            together = [other for other, s in ALL.items() if other not in made and s.mode == "fsdp2"
                         and s.world_size == spec.world_size] if spec.mode == "fsdp2" else [name]
             folders = {other: tmp_path_factory.mktemp(other) for other in together}
-            written = write_demo_checkpoints({folders[other]: VARIANTS[other] for other in together})
+            written = write_demo_checkpoints({folders[other]: ALL[other] for other in together})
             made.update({other: written[folders[other]] for other in together})
         return made[name]
 
