@@ -99,7 +99,7 @@ def load(path: str, shown_as: str, offset: int = 0, length: int | None = None,
 
     `offset`/`length` select a torch.save archive stored inside a larger file (a DCP `.distcp` item).
     `allowed` is the allow-list (`untrusted.megatron_file()` for Megatron files, which also asks for
-    `copy_on_write` so torch tensors can share the private mapping). Bad files raise a one-line
+    `copy_on_write` for callers that hand the arrays to torch, which needs a writable mapping). Bad files raise a one-line
     CheckpointError naming `shown_as`.
     """
     try:

@@ -16,7 +16,8 @@ The allow-lists, one per kind of file:
 - `megatron_file()`: Megatron `model.pt` / dist_ckpt `common.pt`, also read by `torchfile` (no torch
   import); tensors are numpy views as above, dtypes their names, the `args` Namespace, enums and
   TransformerEngine extra state inert records.
-- `dcp_metadata()`: a DCP `.metadata`: torch's metadata dataclasses, dtypes, sizes, pure paths.
+- `DCP_METADATA`: a DCP `.metadata`: torch's metadata dataclasses as inert records, dtypes as names, sizes as
+  bounded tuples, pure paths (no torch import).
 
 Every declared size is bounded before anything is allocated: a storage lies inside its own zip
 member (`storage_view`), a tensor's strided view inside its storage and its element count below the
@@ -41,7 +42,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-__all__ = ["AllowListUnpickler", "DCP_METADATA", "DCP_RECORDS", "Record", "Refused", "Resolver", "TORCH_FILE", "dcp_metadata",
+__all__ = ["AllowListUnpickler", "DCP_METADATA", "DCP_RECORDS", "Record", "Refused", "Resolver", "TORCH_FILE",
            "megatron_file"]
 
 
@@ -483,46 +484,6 @@ def megatron_file() -> dict[tuple[str, str], object]:
 
 
 # ---- DCP .metadata ----------------------------------------------------------------------------
-
-@functools.cache
-def dcp_metadata() -> dict[tuple[str, str], object]:
-    """Allow-list for a DCP `.metadata`: torch's metadata dataclasses, dtypes, sizes and pure paths."""
-    import pathlib
-
-    import torch
-    from torch.distributed.checkpoint import filesystem, metadata, planner
-
-    def size(dims=()):
-        dims = tuple(dims)
-        if not all(type(d) is int and 0 <= d < 2 ** 63 for d in dims):
-            raise Refused(f"torch.Size {dims} has a negative or non-integer size")
-        return torch.Size(dims)  # bounded by the data files' sizes once loaded: see megatron_dist
-
-    allowed: dict[tuple[str, str], object] = {}
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"):
-        if hasattr(metadata, name):
-            allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(metadata, name)
-    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
-    # megatron-core keeps its cached save plan in `planner_data`: plain dataclasses and enums
-    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"):
-        if hasattr(planner, name):
-            allowed[("torch.distributed.checkpoint.planner", name)] = getattr(planner, name)
-    for module in ("pathlib", "pathlib._local"):  # StorageMeta.checkpoint_id: kept as a pure path, never opened
-        for name in ("PosixPath", "PurePosixPath"):
-            allowed[(module, name)] = pathlib.PurePosixPath
-        for name in ("WindowsPath", "PureWindowsPath"):
-            allowed[(module, name)] = pathlib.PureWindowsPath
-    allowed.update({
-        ("torch", "Size"): size,
-        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-        ("collections", "OrderedDict"): collections.OrderedDict,
-        ("builtins", "set"): set,
-        ("builtins", "frozenset"): frozenset,
-        **{("torch", name): getattr(torch, name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)},
-    })
-    return allowed
-
 
 def check_plain_fields(root, what: str) -> None:
     """Refuse objects in `root` (a loaded pickle of real classes) whose pickled state set dunder or
