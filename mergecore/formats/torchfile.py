@@ -94,20 +94,18 @@ def _members(raw, archive: zipfile.ZipFile, start: int, end: int) -> dict[str, t
 
 
 def load(path: str, shown_as: str, offset: int = 0, length: int | None = None,
-         allowed: Mapping[tuple[str, str], object] = TORCH_FILE, copy_on_write: bool = False):
+         allowed: Mapping[tuple[str, str], object] = TORCH_FILE):
     """The object a `torch.save` file holds, with tensors as read-only numpy views (mmap: nothing is read yet).
 
     `offset`/`length` select a torch.save archive stored inside a larger file (a DCP `.distcp` item).
-    `allowed` is the allow-list (`untrusted.megatron_file()` for Megatron files, which also asks for
-    `copy_on_write` for callers that hand the arrays to torch, which needs a writable mapping). Bad files raise a one-line
+    `allowed` is the allow-list (`untrusted.megatron_file()` for Megatron files). Bad files raise a one-line
     CheckpointError naming `shown_as`.
     """
     try:
         if type(offset) is not int or offset < 0 or (length is not None and (type(length) is not int or length < 0)):
             raise ValueError(f"byte range {offset!r}+{length!r} is not a range of the file")
         with open(path, "rb") as f:
-            access = mmap.ACCESS_COPY if copy_on_write else mmap.ACCESS_READ
-            raw = mmap.mmap(f.fileno(), 0, access=access) if f.seek(0, 2) else b""
+            raw = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if f.seek(0, 2) else b""
         end = len(raw) if length is None else offset + length
         if end > len(raw):
             raise ValueError(f"{end - len(raw)} bytes missing at the end")
