@@ -272,6 +272,8 @@ def test_notify_promotes_and_a_repeat_is_a_cache_hit_and_the_boundary_holds(serv
     refused = [checkpoint_event(str(checkpoint), target=f"{service['root']}/../outside/model"),
                checkpoint_event(str(checkpoint), hub_repo="evil/model")]
     hub = service["hub"]
+    deployed = ckptflow(service, "deploy", "--target-root", service["root"], "--hub-org", "acme")  # idempotent
+    assert deployed.returncode == 0, deployed.stderr
     with started([str(PREFECT), "worker", "start", "--pool", "ckptflow-process", "--type", "process"],
                  service["env"], service["home"] / "worker.log"):
         first = ckptflow(service, "notify", checkpoint, "--wait", "--timeout", 150, timeout_s=180)
