@@ -127,10 +127,10 @@ def write_lora_adapter(local_dir, target_dir, backend, role, hf_model_path, over
     return None
 
 
-def _progress() -> Progress:
+def _progress(unit: str = "groups") -> Progress:
     return Progress(
         TextColumn("[bold]{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("groups"), TimeElapsedColumn(), console=err, transient=False,
+        TextColumn(unit), TimeElapsedColumn(), console=err, transient=False,
     )
 
 
@@ -145,11 +145,13 @@ def run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_sh
     prepared = prepare(local_dir, role, backend, hf_model_path, dtype, max_shard_size, True if tie else None,
                        check_replicas, custom_mapping, source=source, lora=lora)
     check_value_model(is_value_model, prepared.config)
-    with _progress() as progress:
-        bar = progress.add_task("merging", total=len(prepared.plan.groups))
+    remote = check_target(target_dir, overwrite) is None  # object storage: written file by file
+    units = prepared.plan.files if remote else prepared.plan.groups
+    with _progress("files" if remote else "groups") as progress:
+        bar = progress.add_task("merging", total=len(units))
 
-        def advanced(group: str, receipt: dict) -> None:
-            progress.update(bar, advance=1, description=group)
+        def advanced(unit: str, receipt: dict) -> None:
+            progress.update(bar, advance=1, description=unit)
 
         try:
             manifest = merge_checkpoint(
@@ -393,7 +395,7 @@ def promote(
     task_runner: str = typer.Option("threads", "--task-runner", help="Where groups are merged: threads (2, in this "
                                     "process) or dask (a Dask cluster: --dask-address or --dask-workers)."),
     dask_address: Optional[str] = typer.Option(None, "--dask-address", help="Scheduler of an existing Dask cluster, "
-                                               "tcp://HOST:PORT; its workers must see the target's folder."),
+                                               "tcp://HOST:PORT; its workers must reach the target (an s3:// URL, or a shared folder)."),
     dask_workers: Optional[int] = typer.Option(None, "--dask-workers", help="Start a local Dask cluster of N worker "
                                                "processes for this run (default 2)."),
 ):
@@ -403,6 +405,7 @@ def promote(
     (pushed inside the same repo)."""
     from flows.engines import check_engine_options
     from flows.run import run_promotion
+    from mergecore.remote_output import is_remote
 
     if not hub_repo and (revision or tag or hub_token_secret):
         refuse("--revision, --tag and --hub-token-secret only apply with --hub-repo ORG/NAME")
@@ -420,7 +423,8 @@ def promote(
     warn_nonfinite(result.get("nonfinite", {}))
     print_checks(result["checks"])
     cached = result["cached_groups"]
-    out.print(f"verified model: {result['target']}" + (f" ({len(cached)} groups reused from cache)" if cached else ""),
+    unit = "files" if is_remote(target) else "groups"  # object storage is written file by file
+    out.print(f"verified model: {result['target']}" + (f" ({len(cached)} {unit} reused from cache)" if cached else ""),
               highlight=False, soft_wrap=True)
     if "hub" in result:
         hub = result["hub"]

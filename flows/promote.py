@@ -1,12 +1,14 @@
 """The promotion DAG, top to bottom:
 
-discover_shards -> validate_metadata -> plan_groups -> prepare_staging -> merge_group (mapped)
+discover_shards -> validate_metadata -> plan_groups -> prepare_staging -> merge_group (mapped; merge_file,
+one per output file, for an object-storage target)
 -> finalize_model (round-trip, reference tensors and logits, then the atomic publish)
 -> run_equivalence_tests -> push_to_hub
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 from prefect import flow
@@ -17,10 +19,11 @@ from prefect.utilities.annotations import quote
 
 from mergecore.nonfinite import check_nonfinite_policy, nonfinite_found
 from mergecore.output import BackgroundHashes
+from mergecore.remote_output import is_remote
 from mergecore.storage import Location
-from tasks import (discover_shards, finalize_model, merge_group, plan_groups, prepare_staging, push_to_hub,
+from tasks import (discover_shards, finalize_model, merge_file, merge_group, plan_groups, prepare_staging, push_to_hub,
                    run_equivalence_tests, validate_metadata)
-from tasks.caching import group_cache_policy, results_folder
+from tasks.caching import group_cache_policy, merge_file_key, results_folder
 from tasks.sources import CheckpointRef, lora_options
 
 from .engines import group_task_runner, seen_from_workers
@@ -37,20 +40,27 @@ def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False, r
     plan = plan_groups(ref)
     plan_as_is = as_is(plan)
     staged = prepare_staging(ref, target, overwrite)
+    remote = is_remote(target)  # object storage: whole files, each written by one task (merge_file)
+    units = plan.files if remote else plan.groups
     if staged["published"]:  # a rerun after success: the target holds every group
         futures = {}
+    elif remote:
+        merge = merge_file.with_options(cache_policy=group_cache_policy(target, merge_file_key),
+                                        result_storage=results_folder(target))
+        futures = {merge.with_options(refresh_cache=file in staged["created"]).submit(
+            ref, plan_as_is, file, target, staged["weights_id"]): file for file in largest_first(plan, units)}
     else:
         merge = merge_group.with_options(cache_policy=group_cache_policy(target), result_storage=results_folder(target))
         rewritten = {g for g in plan.groups if any(t.file in staged["created"] for t in plan.in_group(g))}
-        largest_first = sorted(plan.groups, key=lambda g: -sum(t.end - t.begin for t in plan.in_group(g)))  # no big tail
         futures = {merge.with_options(refresh_cache=group in rewritten).submit(ref, plan_as_is, group, staged["staging"]):
-                   group for group in largest_first}
-    with GroupProgress(len(futures), f"groups merged into {target}") as progress, \
-            BackgroundHashes(Path(staged["staging"])) as hashes:  # sha256 of each file as far as it is written
-        states, receipts = finished_groups(futures, plan, progress, hashes)
+                   group for group in largest_first(plan, units)}
+    hashing = nullcontext() if remote else BackgroundHashes(Path(staged["staging"]))  # sha256 as far as written
+    with GroupProgress(len(futures), f"{'files' if remote else 'groups'} merged into {target}") as progress, \
+            hashing as hashes:
+        states, receipts = finished_groups(futures, units, plan, progress, hashes)
         manifest = finalize_model(ref, staged["staging"], target, overwrite, receipts, hashes, reference,
                                   trust_remote_code)
-    cached = [g for g in plan.groups if not futures or states[g].name == "Cached"]  # reused: all of them
+    cached = [u for u in units if not futures or states[u].name == "Cached"]  # reused: all of them
     written = receipts if futures else manifest.get("groups_written", [])  # reused: as the run that wrote them
     create_markdown_artifact(merge_report(source, plan, written, cached, manifest), key="merge-report",
                              description=f"merge of {source['location']}")
@@ -121,20 +131,29 @@ def as_is(plan):
     return quote(plan) if isinstance(FlowRunContext.get().task_runner, ThreadPoolTaskRunner) else plan
 
 
-def finished_groups(futures: dict, plan, progress: GroupProgress, hashes: BackgroundHashes):
-    """{group: final state} and the receipts in plan order, gathered as groups finish; raises the
-    first failure once every group has run. Meanwhile written files are hashed as far as they are done.
-    No futures (the target already holds this merge): no states, no receipts."""
+def largest_first(plan, units: list[str]) -> list[str]:
+    """Groups (or files) by decreasing bytes, so no large one is left for last."""
+    size = {unit: 0 for unit in units}
+    for t in plan.tensors:
+        size[t.file if t.file in size else t.group] += t.end - t.begin
+    return sorted(units, key=lambda unit: -size[unit])
+
+
+def finished_groups(futures: dict, units: list[str], plan, progress: GroupProgress, hashes: BackgroundHashes | None):
+    """{unit: final state} and the receipts in plan order (`units`: its groups, or its files), gathered as
+    they finish; raises the first failure once every one has run. Meanwhile (`hashes`) written files are
+    hashed as far as they are done. No futures (the target already holds this merge): no states, no receipts."""
     states, receipts = {}, {}
     for future in as_completed(list(futures)):
         future.wait()
-        group = futures[future]
-        states[group] = future.state
-        receipts[group] = future.state.result(raise_on_failure=False)  # while other groups still run
-        hashes.start_written(plan, {g for g, state in states.items() if state.is_completed()})
+        unit = futures[future]
+        states[unit] = future.state
+        receipts[unit] = future.state.result(raise_on_failure=False)  # while the others still run
+        if hashes is not None:
+            hashes.start_written(plan, {g for g, state in states.items() if state.is_completed()})
         progress.advance()
     for state in states.values():
         if not state.is_completed():
             state.result()
-    return states, [receipts[g] for g in plan.groups if g in receipts]
+    return states, [receipts[u] for u in units if u in receipts]
 

@@ -7,8 +7,9 @@ from mergecore import MergePlan
 
 def merge_report(source: dict, plan: MergePlan, receipts: list[dict], cached: list[str], manifest: dict) -> str:
     total = sum(r["bytes"] for r in receipts)
+    unit = lambda r: r.get("group") or r["file"]  # noqa: E731  (a remote target is written file by file)
     rows = "\n".join(
-        f"| {r['group']} | {r['tensors']} | {r['bytes']:,} | {r['seconds']:.2f} | {'cached' if r['group'] in cached else 'merged'} |"
+        f"| {unit(r)} | {r['tensors']} | {r['bytes']:,} | {r['seconds']:.2f} | {'cached' if unit(r) in cached else 'merged'} |"
         for r in receipts)
     return f"""# Merge report
 
@@ -21,10 +22,10 @@ def merge_report(source: dict, plan: MergePlan, receipts: list[dict], cached: li
 | mesh | {source.get('mesh_shape')} {source.get('mesh_dim_names') or ''} |
 | output dtype | {manifest['dtype']} |
 | files | {len(plan.files)} ({total:,} bytes of weights) |
-| groups | {len(plan.groups)} ({len(cached)} cached) |
+| groups | {len(plan.groups)} ({len(cached)} cached groups or files) |
 | timings | {manifest.get('timings', {})} |
 
-| group | tensors | bytes | seconds | |
+| group (or file) | tensors | bytes | seconds | |
 |---|---|---|---|---|
 {rows}
 """

@@ -26,7 +26,7 @@ def digest(value) -> str:
 # editing it keeps finished groups; a test requires every module to be in exactly one of the two lists.
 OUTPUT_CODE = (
     "formats/", "arrays.py", "budget.py", "dtypes.py", "layout.py", "megatron_maps.py", "transforms.py", "plan.py",
-    "writer.py", "merge.py", "output.py", "storage.py", "hub_layout.py", "lora.py",
+    "writer.py", "remote_writer.py", "merge.py", "output.py", "storage.py", "hub_layout.py", "lora.py",
 )
 NOT_OUTPUT_CODE = (
     "__init__.py", "card.py", "completeness.py", "errors.py", "fingerprints.py", "hub.py", "inspect.py", "nonfinite.py", "publish.py", "remote_output.py",
@@ -67,14 +67,23 @@ def input_fingerprints(source: CheckpointSource, names=None) -> dict[str, dict]:
 
 def group_key(source: CheckpointSource, plan: MergePlan, group: str, staging: str | Path) -> str:
     """Cache key of one group's merge: equal keys mean equal bytes already at `staging`."""
-    names = [t.name for t in plan.in_group(group)]
+    return _tensors_key(source, plan, plan.in_group(group), staging)
+
+
+def file_key(source: CheckpointSource, plan: MergePlan, file: str, target: str) -> str:
+    """Cache key of one output file written whole to remote `target` (remote_writer): equal keys, equal bytes."""
+    return _tensors_key(source, plan, plan.in_file(file), target)
+
+
+def _tensors_key(source: CheckpointSource, plan: MergePlan, planned: list, where: str | Path) -> str:
+    names = [t.name for t in planned]
     names += [dropped for dropped, kept in plan.aliases.items() if kept in names]  # checked against it
     return digest({
         "inputs": input_fingerprints(source, names),
-        "group": [asdict(t) for t in plan.in_group(group)],
+        "group": [asdict(t) for t in planned],
         "dtype": plan.dtype,
         "code": code_version(),
-        "staging": str(staging),
+        "staging": str(where),
     })
 
 

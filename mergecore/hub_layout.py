@@ -246,6 +246,9 @@ class HubLayoutSource(CheckpointSource):
             return self.inner.check_round_trip(self.slices[name].source, merged)
         return super().check_round_trip(name, merged)
 
+    def prefetch(self, names) -> None:
+        self.inner.prefetch([self.slices[n].source if n in self.slices else n for n in names])
+
     def input_files(self, names=None) -> list:
         return self.inner.input_files(None if names is None else [self.slices[n].source if n in self.slices else n
                                                                   for n in names])

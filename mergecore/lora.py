@@ -281,6 +281,10 @@ class LoraFusedSource(CheckpointSource):
         """Whether `name` is computed (W + scale·B·A) rather than read as saved."""
         return name in self._pairs
 
+    def prefetch(self, names) -> None:
+        if not self.base_model:
+            self.inner.prefetch([self._names.get(n, n) for n in names])
+
     def input_files(self, names=None) -> list:
         if self.base_model:
             return self.inner.input_files() + self.weights.input_files()

@@ -140,16 +140,17 @@ def staging_folder(target: str | Path) -> Path:
     return target.parent / f".{target.name}{PARTIAL_SUFFIX}"
 
 
-def check_target(target: str | Path, overwrite: bool) -> Path:
-    """The target as a local path, after repairing what a crash during an earlier publish left there."""
+def check_target(target: str | Path, overwrite: bool) -> Path | None:
+    """The target as a local path, after repairing what a crash during an earlier publish left there
+    (a remote target is only checked: None)."""
     from .publish import repair_target
 
     location = Location.of(target)
-    if not location.is_local:  # a remote target is assembled in its local shadow folder, then uploaded
-        from .remote_output import check_remote_target, shadow_folder
+    if not location.is_local:
+        from .remote_output import check_remote_target
 
         check_remote_target(location, overwrite)
-        return shadow_folder(location)
+        return None
     path = Path(location.url)
     repair_target(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
@@ -164,6 +165,10 @@ def stage(prepared: Prepared, target: str | Path, overwrite: bool) -> dict:
     """
     from .writer import prepare_files
 
+    if not Location.of(target).is_local:  # written file by file at the target itself (remote_output)
+        from .remote_output import stage_remote
+
+        return stage_remote(prepared, str(target), overwrite)
     target_path = check_target(target, overwrite=True)  # repairs first; whether it may be replaced comes next
     staging = staging_folder(target_path)
     if published_manifest(target_path, prepared):

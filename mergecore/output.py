@@ -184,11 +184,13 @@ def write_descriptive_files(source: CheckpointSource, config: dict, plan: MergeP
 
 
 def write_manifest(source: CheckpointSource, config: dict, plan: MergePlan, folder: Path, descriptive: list[str],
-                   extra: dict | None = None, known: dict[str, str] | None = None) -> dict:
+                   extra: dict | None = None, known: dict[str, str] | None = None,
+                   stored: dict[str, dict] | None = None) -> dict:
     """The model card, then the manifest: sha256 of every file the folder publishes, which must be exactly
     the planned weight files, `descriptive` (from `write_descriptive_files`) and the card.
 
-    `known` holds sha256 digests already computed (the weight files, hashed while merging).
+    `known` holds sha256 digests already computed (the weight files, hashed while merging). `stored` holds the
+    entries ({"sha256", "size"}) of files published elsewhere than `folder` (weights already on object storage).
     """
     manifest = {
         "ckptflow_version": ckptflow_version(),
@@ -199,15 +201,16 @@ def write_manifest(source: CheckpointSource, config: dict, plan: MergePlan, fold
         "aliases": plan.aliases,
         **(extra or {}),
     }
+    stored = stored or {}
     (folder / CARD_FILE).write_text(model_card(manifest, config, manifest.get("verification", [])))
     files = sorted({*plan.files, *descriptive, CARD_FILE})
-    present = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())  # lora_adapter/ too
-    if present != files:
+    present = sorted({*stored, *(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())})
+    if present != files:  # lora_adapter/ files count too
         raise VerificationError(f"{folder}: holds {sorted(set(present) ^ set(files))} beside or instead of the planned "
                                 "files; nothing was published: merge again")
     digests = dict(known or {})
-    digests.update({name: sha256_file(folder / name) for name in files if name not in digests})
-    manifest["files"] = {name: {"sha256": digests[name], "size": (folder / name).stat().st_size,
-                                "mtime_ns": (folder / name).stat().st_mtime_ns} for name in files}
+    digests.update({name: sha256_file(folder / name) for name in files if name not in digests and name not in stored})
+    manifest["files"] = {name: stored.get(name) or {"sha256": digests[name], "size": (folder / name).stat().st_size,
+                                                     "mtime_ns": (folder / name).stat().st_mtime_ns} for name in files}
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest

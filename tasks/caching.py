@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prefect.cache_policies import CachePolicy
 
-from mergecore.fingerprints import group_key
+from mergecore.fingerprints import file_key, group_key
 
 from .locks import FlockLockManager
 from .sources import prepared_for
@@ -23,12 +23,11 @@ def results_folder(target: str) -> Path:
     configured = os.environ.get("CKPTFLOW_RESULTS")
     if configured:
         return Path(configured).expanduser().absolute()
-    from mergecore.remote_output import is_remote, shadow_folder
-    from mergecore.storage import Location
+    from mergecore.remote_output import is_remote, local_state_folder
 
-    if is_remote(target):  # beside the target's local shadow folder
-        shadow = shadow_folder(Location.of(target))
-        return shadow.parent / f".{shadow.name}.ckptflow-results"
+    if is_remote(target):  # a local folder named after the URL
+        state = local_state_folder(target)
+        return state.parent / f".{state.name}.ckptflow-results"
     target_path = Path(target).absolute()
     return target_path.parent / f".{target_path.name}.ckptflow-results"
 
@@ -39,6 +38,14 @@ def merge_group_key(context, parameters: dict) -> str:
     return "merge-group-" + group_key(prepared.source, parameters["plan"], parameters["group"], parameters["staging"])
 
 
-def group_cache_policy(target: str) -> CachePolicy:
+def merge_file_key(context, parameters: dict) -> str:
+    """Fingerprints of the files the output file reads + its slice of the plan + dtype + code + the target."""
+    prepared = prepared_for(parameters["ref"])
+    return "merge-file-" + file_key(prepared.source, parameters["plan"], parameters["file"], parameters["target"])
+
+
+def group_cache_policy(target: str, key=merge_group_key) -> CachePolicy:
+    """Keyed by `key` (merge_group_key, or merge_file_key for files written whole to a remote target); one run
+    computes each key at a time (SERIALIZABLE, with locks in the results folder)."""
     locks = FlockLockManager(lock_files_directory=results_folder(target) / "locks")
-    return CachePolicy.from_cache_key_fn(merge_group_key).configure(isolation_level="SERIALIZABLE", lock_manager=locks)
+    return CachePolicy.from_cache_key_fn(key).configure(isolation_level="SERIALIZABLE", lock_manager=locks)

@@ -15,7 +15,8 @@ from mergecore import merge_group as merge_one_group
 from mergecore.merge import published_manifest, refresh_published
 from mergecore.nonfinite import nonfinite_error, nonfinite_found
 from mergecore.output import BackgroundHashes
-from mergecore.remote_output import finalize_remote, is_remote
+from mergecore.remote_output import finalize_remote, is_remote, remote_manifest, write_file
+from mergecore.storage import Location
 from mergecore.verify import reference_checks
 from mergecore.writer import room_checked
 
@@ -52,6 +53,20 @@ def merge_group(ref: CheckpointRef, plan: MergePlan, group: str, staging: str, w
     return receipt
 
 
+@task(name="merge_file", retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_io_error,
+      persist_result=True, task_run_name="merge_file[{file}]")
+def merge_file(ref: CheckpointRef, plan: MergePlan, file: str, target: str, weights_id: str) -> dict:
+    """Stream one output file straight to the remote target, read it back and check it against the shards:
+    the unit of work for object storage, where a file cannot be written at offsets by several tasks."""
+    from prefect import get_run_logger
+
+    receipt = write_file(prepared_for(ref), target, file, weights_id, on_nonfinite=ref.on_nonfinite)
+    get_run_logger().info("file %s merged by process %d on %s", file, os.getpid(), socket.gethostname())
+    if receipt.get("nonfinite"):
+        get_run_logger().warning("non-finite weights written (on_nonfinite=warn): %s", receipt["nonfinite"])
+    return receipt
+
+
 @task(name="finalize_model", cache_policy=NO_CACHE)
 def finalize_model(ref: CheckpointRef, staging: str, target: str, overwrite: bool, receipts: list[dict],
                    hashes: BackgroundHashes | None = None, reference: str | None = None,
@@ -64,17 +79,23 @@ def finalize_model(ref: CheckpointRef, staging: str, target: str, overwrite: boo
     staging folder), only changed metadata is redone.
     """
     prepared = prepared_for(ref)
+    checks = (lambda folder: reference_checks(folder, Path(reference), trust_remote_code)) if reference else None
+    if is_remote(target):  # its weight files are written (merge_file); the rest goes up, manifest last
+        check_nonfinite(ref, prepared, receipts or (remote_manifest(Location.of(target)) or {}).get("groups_written", []))
+        with exclusive(results_folder(target) / "locks", PUBLISH_LOCK):
+            return finalize_remote(prepared, target, receipts, checks=checks)
     if not Path(staging).exists():  # the target holds this merge: its receipts are in its manifest
         receipts = (published_manifest(Path(target), prepared) or {}).get("groups_written", [])
-    found = nonfinite_found(receipts)
-    if found and ref.on_nonfinite == "fail":  # receipts of an earlier "warn" run (cached or published) say so too
-        raise nonfinite_error(found, prepared.source.location)
-    checks = (lambda folder: reference_checks(folder, Path(reference), trust_remote_code)) if reference else None
+    check_nonfinite(ref, prepared, receipts)
     with exclusive(results_folder(target) / "locks", PUBLISH_LOCK), room_checked(Path(staging)):  # one publisher at a time
         if not Path(staging).exists():
             return refresh_published(prepared, Path(target), checks=checks)
-        if is_remote(target):  # finished in its local shadow folder, then uploaded manifest last
-            return finalize_remote(prepared, Path(staging), target, extra={"groups_written": receipts},
-                                   hashes=hashes, checks=checks)
         return finalize_folder(prepared, Path(staging), Path(target), overwrite, extra={"groups_written": receipts},
                                hashes=hashes, checks=checks)
+
+
+def check_nonfinite(ref: CheckpointRef, prepared, receipts: list[dict]) -> None:
+    """With on_nonfinite="fail", receipts of an earlier "warn" run (cached or published) that found NaN/Inf fail too."""
+    found = nonfinite_found(receipts)
+    if found and ref.on_nonfinite == "fail":
+        raise nonfinite_error(found, prepared.source.location)

@@ -38,7 +38,11 @@ FAMILIES = {
     "lora-moe": DemoSpec(arch="qwen3_moe", lora=True),
 }
 
-ALL = {**VARIANTS, **FAMILIES}
+# Weights that outweigh the rank files' pickles, as in real models (the default vocab's are ~20% pickle): for
+# tests that count who read which bytes.
+WEIGHT_HEAVY = {"fsdp2-w2-vocab8k": DemoSpec(vocab_size=8192)}
+
+ALL = {**VARIANTS, **FAMILIES, **WEIGHT_HEAVY}
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 import pytest
 from safetensors.numpy import load_file, save_file
 from test_pipeline import GROUPS, merge_group_states
+from test_storage_s3 import s3_endpoint, s3_env  # noqa: F401  (moto server + s3fs fixtures)
 
 from flows.promote import promote_checkpoint
 
@@ -130,3 +131,42 @@ def test_a_silent_scheduler_fails_the_run_at_once(prefect_server, cli, demo, tmp
     assert result.exit_code == 2 and f"--dask-address {address}: no Dask scheduler answers" in result.output
     assert "dask scheduler" in result.output and time.monotonic() - started < 20  # Dask alone waits 30 s
     assert not (tmp_path / "model").exists()
+
+
+def test_s3_to_s3_on_two_workers_each_reads_and_writes_its_share(prefect_server, s3_env, demo, cli, tmp_path,
+                                                                  monkeypatch):
+    """Workers on other machines share only the object store: each streams its output files to the target
+    itself, reading just the ranges of the rank files those files need."""
+    from distributed import Client, LocalCluster
+
+    from ckptflow_testing.s3_reads import count_s3_reads, s3_reads
+    from test_remote_io import objects, upload
+
+    ckpt = demo("fsdp2-w2-vocab8k")
+    source = upload(s3_env, ckpt, "dask-ckpts/d1")
+    shards = ("--max-shard-size", "64KB")  # embeddings, head and ~4 files of layers, for two workers to share
+    local = cli("promote", ckpt.role_dir, "--target", tmp_path / "local", *shards)  # the thread runner, local
+    assert local.exit_code == 0, local.output
+    monkeypatch.setenv("CKPTFLOW_RANGE_GAP", "0")  # tiny tensors: by default neighbours come in the same request
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address="127.0.0.1:0", local_directory=str(tmp_path / "dask")) as cluster, \
+            Client(cluster) as client:
+        client.run(count_s3_reads)
+        result = cli("promote", source, "--target", "s3://io-models/d1", *shards,
+                     "--task-runner", "dask", "--dask-address", cluster.scheduler_address)
+        assert result.exit_code == 0, result.output
+        reads = list(client.run(s3_reads).values())
+
+    remote = objects(s3_env, "io-models/d1")
+    expected = {p.name: p.read_bytes() for p in (tmp_path / "local").iterdir() if p.name not in DESCRIBES_THE_RUN}
+    assert len([n for n in expected if n.endswith(".safetensors")]) > 4
+    assert {n: remote[n] for n in expected} == expected
+    assert set(remote) == {*expected, *DESCRIBES_THE_RUN}  # no staging records left
+    rank_files = sorted(ckpt.role_dir.glob("model_world_size_2_rank_*.pt"))
+    model_bytes = sum(p.stat().st_size for p in rank_files)
+    shares = [sum(n for key, n in fetched.items() if "/model_world_size_" in key) for _, fetched, _ in reads]
+    written = [sum(n for key, n in fetched.items() if key.startswith("io-models/d1/")) for _, fetched, _ in reads]
+    assert all(share > 0 for share in shares) and all(back > 0 for back in written), (shares, written)  # both worked
+    assert max(shares) < 0.6 * model_bytes, (shares, model_bytes)
+    assert not [key for _, fetched, _ in reads for key in fetched if "/optim_" in key or "/extra_state_" in key]
+    assert not [key for _, _, whole in reads for key in whole if "model_world_size" in key]  # ranged GETs only

@@ -71,11 +71,16 @@ def test_s3_to_s3_merge_is_byte_identical_and_reads_no_optimizer_byte(s3_env, s3
     for name in set(local) - {MANIFEST, "README.md"}:  # the manifest names the source URL and timings
         assert remote[name] == local[name], name
     assert remote["README.md"] == local["README.md"].replace(str(ckpt.role_dir).encode(), source.encode())  # the card too
-    assert json.loads(remote[MANIFEST])["files"] == {n: {**e, "mtime_ns": e["mtime_ns"]} for n, e in manifest["files"].items()}
+    assert json.loads(remote[MANIFEST])["files"] == manifest["files"]
+    local_entries = json.loads(local[MANIFEST])["files"]
+    for name in set(local) - {MANIFEST, "README.md"}:
+        assert {k: manifest["files"][name][k] for k in ("sha256", "size")} == \
+            {k: local_entries[name][k] for k in ("sha256", "size")}, name
     rank_keys = [k for k in fetched if "/model_world_size_" in k]
     assert len(rank_keys) == 2 and not [k for k in whole if "model_world_size" in k]  # only ranged GETs
     assert not [k for k in fetched if "/optim_" in k or "/extra_state_" in k]  # zero optimizer bytes
-    assert not list((tmp_path / "cache" / "targets").iterdir())  # the local shadow folder is gone
+    assert not (tmp_path / "cache" / "targets").exists()  # nothing was assembled on local disk
+    assert not [k for k in objects(s3_env, "io-models/io1") if k.startswith(".ckptflow-staging")]  # records gone
 
 
 def test_one_group_fetches_its_own_byte_ranges_only(s3_env, s3_reads, demo, tmp_path, monkeypatch):

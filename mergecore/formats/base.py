@@ -74,6 +74,13 @@ class CheckpointSource(ABC):
     def input_files(self, names: Iterable[str] | None = None) -> list[Location]:
         """The files that hold `names` (all tensors when None); cache keys use their fingerprints."""
 
+    def prefetch(self, names: Iterable[str]) -> None:
+        """A hint that `names` are read next, together (one output file): a source reading remote files may
+        fetch their bytes in one batch, and only theirs. Without it, reads come a layer group at a time.
+
+        >>> source.prefetch(["model.embed_tokens.weight"])  # doctest: +SKIP
+        """
+
     def check_round_trip(self, name: str, merged) -> int:
         """Re-split `merged` (the output tensor holding `name`) as training saved it and compare every
         saved piece bit for bit, cast to the output dtype. Returns the number of pieces compared.

@@ -212,22 +212,26 @@ class FsdpCheckpoint(CheckpointSource):
     def _fetched(self, pieces: list[Piece], name: str) -> list[Piece]:
         """`pieces`, their bytes downloaded first when they come from remote rank files.
 
-        The first tensor of a layer group asked for brings the whole group's bytes from every rank in one
-        concurrent batch of range requests (a merge reads a group's tensors together): round trips per
-        group, not per tensor and rank."""
-        if not self._range_files:
-            return pieces
-        group = self._groups[name]
-        if group not in self._fetched_groups:
-            spans: dict[RangeFile, list[tuple[int, int]]] = {}
-            for member in self._group_members[group]:
-                for piece in self._saved_pieces[member]:
-                    span = mapped_span(piece.tensor)
-                    if span and piece.source in self._range_files:
-                        spans.setdefault(self._range_files[piece.source], []).append(span)
-            fetch_ranges(spans)
-            self._fetched_groups.add(group)
+        The first tensor of a layer group asked for brings the whole group's bytes (unless `prefetch` brought
+        them) from every rank in one concurrent batch of range requests (a merge reads a group's tensors
+        together): round trips per group, not per tensor and rank."""
+        if self._range_files and name not in self._fetched_names:
+            self._fetch([m for m in self._group_members[self._groups[name]] if m not in self._fetched_names])
         return pieces
+
+    def prefetch(self, names) -> None:
+        if self._range_files:
+            self._fetch([n for n in names if n in self._saved_pieces and n not in self._fetched_names])
+
+    def _fetch(self, names: list[str]) -> None:
+        spans: dict[RangeFile, list[tuple[int, int]]] = {}
+        for member in names:
+            for piece in self._saved_pieces[member]:
+                span = mapped_span(piece.tensor)
+                if span and piece.source in self._range_files:
+                    spans.setdefault(self._range_files[piece.source], []).append(span)
+        fetch_ranges(spans)
+        self._fetched_names.update(names)
 
     @cached_property
     def _groups(self) -> dict[str, str]:
@@ -243,7 +247,7 @@ class FsdpCheckpoint(CheckpointSource):
         return members
 
     @cached_property
-    def _fetched_groups(self) -> set[str]:
+    def _fetched_names(self) -> set[str]:
         return set()
 
     @cached_property
