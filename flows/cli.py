@@ -293,33 +293,55 @@ def verify(
     if not reference and (logits or trust_remote_code or atol is not None or rtol is not None):
         refuse("--logits, --trust-remote-code, --atol and --rtol apply to the comparison with a reference model: "
                "add --reference FOLDER")
-    from mergecore.remote_output import downloaded
+    from mergecore.storage import Location
 
-    with downloaded(target) as folder:  # a remote model is checked from a local copy of its manifest's files
-        results = verify_folder(folder, skip_source, custom_mapping, hf_model_path)
-        if reference:
+    location = Location.of(target)
+    if location.is_local:
+        results = verify_folder(Path(location.url), skip_source, custom_mapping, hf_model_path)
+    else:
+        results = verify_remote_folder(location.url, skip_source, custom_mapping, hf_model_path)
+    if reference:
+        from mergecore.remote_output import downloaded
+
+        with downloaded(location.url) as folder:  # a remote model is compared from a local copy of its files
             results += reference_checks(folder, reference, trust_remote_code, logits, atol, rtol)
     print_checks(results)
 
 
 def verify_folder(folder: Path, skip_source: bool, custom_mapping: Optional[str], hf_model_path: Optional[str]) -> list:
     """Manifest hashes and (unless `skip_source`) the round trip against the source shards."""
-    from mergecore import open_checkpoint, verify_manifest, verify_round_trip
+    from mergecore import verify_manifest, verify_round_trip
     from mergecore.verify import load_manifest
 
     results = [verify_manifest(folder)]
     if not skip_source:
         manifest = load_manifest(folder)
-        used = {**manifest["source"].get("options", {})}  # how the merge opened it
-        source = open_checkpoint(manifest["source"]["location"], backend=used.get("backend") or "auto",
-                                 hf_dir=hf_model_path or used.get("hf_dir"),
-                                 custom_mapping=custom_mapping or used.get("custom_mapping")
-                                 or manifest["source"].get("custom_mapping"))
-        from mergecore.merge import merge_view
-
-        source = merge_view(source, used.get("lora"))  # as merged: fused LoRA (base and adapter pieces), Hub layout
+        source = merged_source(manifest, custom_mapping, hf_model_path)
         results.append(verify_round_trip(source, folder, manifest.get("aliases", {})))
     return results
+
+
+def verify_remote_folder(target: str, skip_source: bool, custom_mapping: Optional[str],
+                         hf_model_path: Optional[str]) -> list:
+    """`verify_folder` for a model on object storage: file by file, by ranged reads, no whole local copy."""
+    from mergecore.remote_verify import published_manifest, verify_remote
+
+    manifest = published_manifest(target)
+    source = None if skip_source else merged_source(manifest, custom_mapping, hf_model_path)
+    return verify_remote(target, source, manifest)
+
+
+def merged_source(manifest: dict, custom_mapping: Optional[str], hf_model_path: Optional[str]):
+    """The checkpoint a manifest names, opened as its merge opened it (options, LoRA fused, Hub layout)."""
+    from mergecore import open_checkpoint
+    from mergecore.merge import merge_view
+
+    used = {**manifest["source"].get("options", {})}  # how the merge opened it
+    source = open_checkpoint(manifest["source"]["location"], backend=used.get("backend") or "auto",
+                             hf_dir=hf_model_path or used.get("hf_dir"),
+                             custom_mapping=custom_mapping or used.get("custom_mapping")
+                             or manifest["source"].get("custom_mapping"))
+    return merge_view(source, used.get("lora"))  # as merged: fused LoRA (base and adapter pieces), Hub layout
 
 
 def print_checks(results: list[dict]) -> None:

@@ -18,6 +18,7 @@ from .arrays import bitwise_equal, cast, dtype_of
 from .errors import CheckpointError, VerificationError
 from .formats import CheckpointSource
 from .output import MANIFEST_FILE, sha256_file
+from .storage import Location
 from .tensorio import HfWeights, read_json
 
 
@@ -30,11 +31,7 @@ def verify_round_trip(source: CheckpointSource, folder: Path, aliases: dict[str,
     with HfWeights(folder) as weights:
         found = set(weights.names())
         if found != expected:
-            odd = sorted(found ^ expected)
-            raise VerificationError(
-                f"{folder}: output tensors differ from the checkpoint's ({', '.join(odd[:3])}); "
-                "the folder was not merged from this checkpoint"
-            )
+            raise tensors_differ(folder, found, expected)
 
         def check(name: str) -> int:
             return source.check_round_trip(name, weights.get(aliases.get(name, name)))
@@ -51,14 +48,29 @@ def verify_manifest(folder: Path, full: bool = True) -> dict:
     for name, entry in manifest["files"].items():
         path = folder / name
         if not path.exists():
-            raise VerificationError(f"{path}: listed in {MANIFEST_FILE} but missing; the folder is incomplete")
+            raise file_missing(path)
         stat = path.stat()
         changed = (stat.st_size != entry["size"] or stat.st_mtime_ns != entry.get("mtime_ns", stat.st_mtime_ns)
                    if not full else sha256_file(path) != entry["sha256"])
         if changed:
-            raise VerificationError(f"{path}: differs from {MANIFEST_FILE}; the file changed after the merge "
-                                    "(merge again with overwrite)")
+            raise file_changed(path)
     return {"check": "manifest" if full else "manifest (size, mtime)", "files": len(manifest["files"]), "ok": True}
+
+
+# The wording of a failed check, shared with the file-by-file check of a model on object storage (remote_verify).
+def tensors_differ(folder, found: set[str], expected: set[str]) -> VerificationError:
+    odd = sorted(found ^ expected)
+    return VerificationError(f"{folder}: output tensors differ from the checkpoint's ({', '.join(odd[:3])}); "
+                             "the folder was not merged from this checkpoint")
+
+
+def file_missing(path) -> VerificationError:
+    return VerificationError(f"{path}: listed in {MANIFEST_FILE} but missing; the folder is incomplete")
+
+
+def file_changed(path) -> VerificationError:
+    return VerificationError(f"{path}: differs from {MANIFEST_FILE}; the file changed after the merge "
+                             "(merge again with overwrite)")
 
 
 def compare_with_reference(folder: Path, reference: Path, atol: float = 0.0, rtol: float = 0.0) -> dict:
@@ -182,9 +194,9 @@ def _inside_folder(name: str) -> bool:
     return len(parts) <= 2 and all(part not in ("", ".", "..") for part in parts)
 
 
-def load_manifest(folder: Path) -> dict:
-    """A merged folder's manifest, checked for the fields `verify` reads."""
-    path = Path(folder) / MANIFEST_FILE
+def load_manifest(folder) -> dict:
+    """A merged folder's manifest, checked for the fields `verify` reads (`folder`: a path or a `storage.Location`)."""
+    path = folder.join(MANIFEST_FILE) if isinstance(folder, Location) else Path(folder) / MANIFEST_FILE
     fix = "the folder was not written by ckptflow merge, or its manifest was damaged: merge again"
     manifest = read_json(path, fix=fix)
     files, source = manifest.get("files"), manifest.get("source")

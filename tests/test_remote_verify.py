@@ -1,0 +1,121 @@
+"""`ckptflow verify s3://...`: the model is read file by file by ranged GETs, never copied whole to local disk.
+
+Reads are observed at s3fs's boundary (its `_cat_file` / `_get_file`); the local space held is observed from
+outside our code, in /proc/self (the range files are unlinked at once, so only their open descriptors and
+mappings show them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from test_remote_io import s3_reads  # noqa: F401  (bytes per key at s3fs's boundary)
+from test_storage_s3 import s3_endpoint, s3_env  # noqa: F401  (moto server + s3fs fixtures)
+
+s3fs = pytest.importorskip("s3fs")
+
+MANIFEST = "ckptflow_manifest.json"
+
+
+def live_range_files(cache: Path) -> dict[int, int]:
+    """Inode -> bytes allocated on disk, of every range file this process still holds (descriptor or mapping)."""
+    marker = f"{cache}/"
+    held: dict[int, int] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(marker):
+                stat = os.stat(f"/proc/self/fd/{fd}")
+                held[stat.st_ino] = stat.st_blocks * 512
+        except OSError:  # closed meanwhile
+            continue
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(marker):
+                held.setdefault(int(fields[4]), 0)  # mapped only: its descriptor is closed, its space not yet free
+    return held
+
+
+@pytest.fixture
+def sharded_model(s3_env, demo, tmp_path):
+    """A demo model merged to S3 in at least three weight files; returns (url, weight file sizes by key, shard size)."""
+    from mergecore import merge_checkpoint
+
+    ckpt = demo("fsdp2-w2")
+    reference_bytes = sum(p.stat().st_size for p in ckpt.reference_dir.glob("*.safetensors"))
+    if not s3_env.exists("rv-models"):
+        s3_env.mkdir("rv-models")
+    url = f"s3://rv-models/{tmp_path.name}"
+    shard = reference_bytes // 16
+    merge_checkpoint(str(ckpt.role_dir), url, max_shard_size=shard)
+    s3_env.invalidate_cache()
+    weights = {path: s3_env.size(path) for path in s3_env.find(url[5:]) if path.endswith(".safetensors")}
+    assert len(weights) >= 3, weights
+    return url, weights, shard
+
+
+def test_verify_reads_each_weight_file_by_ranges_holding_one_at_a_time(sharded_model, s3_reads, cli, tmp_path,
+                                                                       monkeypatch):
+    url, weights, _ = sharded_model
+    fetched, whole = s3_reads
+    cache = tmp_path / "cache"
+    seen: list[dict[int, int]] = []
+    counted = s3fs.S3FileSystem._cat_file
+
+    async def probing(self, path, version_id=None, start=None, end=None):
+        seen.append(live_range_files(cache))
+        return await counted(self, path, version_id=version_id, start=start, end=end)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", probing)
+    s3fs.S3FileSystem.clear_instance_cache()
+
+    result = cli("verify", url)
+
+    assert result.exit_code == 0, result.output
+    assert "manifest" in result.stdout and "round-trip" in result.stdout
+    for key, size in weights.items():
+        assert fetched[key] == size, key  # every byte read once...
+        assert key not in [w.split("://")[-1] for w in whole], key  # ...by ranged GETs only
+    # Never two weight files' bytes on local disk at once, and at most one file's worth.
+    assert max(len(held) for held in seen) == 1
+    assert max(sum(held.values()) for held in seen) <= max(weights.values()) + 4096
+    assert live_range_files(cache) == {}  # all released afterwards
+    assert not (cache / "targets").exists() or not list((cache / "targets").iterdir())
+
+
+def test_verify_remote_rows_equal_those_of_the_local_folder(sharded_model, demo, tmp_path):
+    from mergecore import merge_checkpoint, open_checkpoint, verify_manifest, verify_round_trip
+    from mergecore.remote_verify import verify_remote
+
+    url, weights, shard = sharded_model
+    ckpt = demo("fsdp2-w2")
+    local = tmp_path / "local"
+    merge_checkpoint(str(ckpt.role_dir), local, max_shard_size=shard)
+    source = open_checkpoint(str(ckpt.role_dir))
+    manifest = json.loads((local / MANIFEST).read_text())
+
+    rows = verify_remote(url, source)
+
+    assert rows == [verify_manifest(local), verify_round_trip(source, local, manifest.get("aliases", {}))]
+    assert rows[0]["files"] == len(manifest["files"])
+
+
+def test_a_weight_object_changed_after_publishing_fails_naming_it(sharded_model, s3_env, s3_reads, cli):
+    url, weights, _ = sharded_model
+    fetched, _ = s3_reads
+    first, tampered, *later = sorted(weights)
+    data = bytearray(s3_env.cat_file(tampered))
+    data[len(data) // 2] ^= 0x01  # same size, one bit flipped
+    s3_env.pipe_file(tampered, bytes(data))
+    fetched.clear()
+
+    result = cli("verify", url)
+
+    assert result.exit_code == 3, result.output
+    error = result.stderr.strip().splitlines()
+    assert len(error) == 1 and f"s3://{tampered}: differs from {MANIFEST}" in error[0], error
+    assert fetched[first] == weights[first] and not any(fetched[key] for key in later)  # it stops there
