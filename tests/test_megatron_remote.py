@@ -149,3 +149,25 @@ def test_dist_ckpt_from_s3_reads_model_boxes_only(s3_env, s3_reads, s3_ranges, d
         key = f"{source[5:]}/model/dist_ckpt/{name}"
         assert fetched[key] > 0 and overlapping(s3_ranges, key, spans) == []  # zero bytes of optimizer boxes
         assert fetched[key] <= model_bytes[name]  # the model's boxes, nothing more
+
+
+def test_ranges_are_never_joined_across_a_kept_out_span(s3_env, s3_ranges):
+    """Megatron interleaves what must not be read (optimizer items, in some layouts) with model tensors:
+    two wanted ranges 1 KiB apart are one request, unless the bytes between are kept out."""
+    from mergecore.storage import Location, RangeFile
+
+    s3_env.mkdir("mr-fence")
+    s3_env.pipe_file("mr-fence/joined", bytes(range(256)) * 12)
+    s3_env.pipe_file("mr-fence/fenced", bytes(range(256)) * 12)
+    joined = RangeFile.of(Location.of("s3://mr-fence/joined"))
+    fenced = RangeFile.of(Location.of("s3://mr-fence/fenced"))
+    fenced.keep_out([(1024, 2048)])
+
+    assert joined.fetch([(0, 1024), (2048, 3072)]) == 3072
+    assert fenced.fetch([(0, 1024), (2048, 3072)]) == 2048
+    assert sorted((s, e) for k, s, e in s3_ranges if k == "mr-fence/fenced") == [(0, 1024), (2048, 3072)]
+    assert [(s, e) for k, s, e in s3_ranges if k == "mr-fence/joined"] == [(0, 3072)]
+    with open(fenced.path, "rb") as f:
+        data = f.read()
+    assert data[:1024] + data[2048:] == (bytes(range(256)) * 12)[:1024] + (bytes(range(256)) * 12)[2048:]
+    assert data[1024:2048] == bytes(1024)  # never fetched
