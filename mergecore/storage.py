@@ -1,9 +1,9 @@
 """Where checkpoints live: any fsspec URL, read through one small `Location` type.
 
-Local files are used in place (so they can be mmapped). Remote FSDP rank files are read by byte range
-(`RangeFile`): only the ranges a merge needs are downloaded, into a sparse local file that is mmapped like
-a local one. Other remote files (Megatron's, huggingface/ files) are copied whole into a local cache
-folder and mmapped from there: disk, not RAM, holds them. A copy is named after the URL *and* the
+Local files are used in place (so they can be mmapped). Remote rank files (FSDP's, Megatron's `model.pt`
+and `.distcp`) are read by byte range (`RangeFile`): only the ranges a merge needs are downloaded, into a
+sparse local file that is mmapped like a local one. Other remote files (`.metadata`, `common.pt`,
+huggingface/ files) are copied whole into a local cache folder and mmapped from there: disk, not RAM, holds them. A copy is named after the URL *and* the
 file's fingerprint (size + etag/mtime), so a file rewritten at the same URL is fetched again and
 never read stale; copies are downloaded under a temporary name, checked for size and renamed into
 place, so an interrupted download is never trusted.
