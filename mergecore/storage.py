@@ -1,9 +1,9 @@
 """Where checkpoints live: any fsspec URL, read through one small `Location` type.
 
-Local files are used in place (so they can be mmapped). Remote FSDP rank files are read by byte range
-(`RangeFile`): only the ranges a merge needs are downloaded, into a sparse local file that is mmapped like
-a local one. Other remote files (Megatron's, huggingface/ files) are copied whole into a local cache
-folder and mmapped from there: disk, not RAM, holds them. A copy is named after the URL *and* the
+Local files are used in place (so they can be mmapped). Remote rank files (FSDP's, Megatron's `model.pt`
+and `.distcp`) are read by byte range (`RangeFile`): only the ranges a merge needs are downloaded, into a
+sparse local file that is mmapped like a local one. Other remote files (`.metadata`, `common.pt`,
+huggingface/ files) are copied whole into a local cache folder and mmapped from there: disk, not RAM, holds them. A copy is named after the URL *and* the
 file's fingerprint (size + etag/mtime), so a file rewritten at the same URL is fetched again and
 never read stale; copies are downloaded under a temporary name, checked for size and renamed into
 place, so an interrupted download is never trusted.
@@ -15,6 +15,7 @@ from `CKPTFLOW_READ_BACKOFF` seconds (default 0.5); then `RemoteReadError`, one 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import json
@@ -270,6 +271,7 @@ class RangeFile:
         os.unlink(name)
         os.ftruncate(self._fd, self.size)
         self._present: list[tuple[int, int]] = []  # sorted, disjoint [start, end) already written
+        self._fenced: list[tuple[int, int]] = []  # sorted spans a joined request must never reach into
         # Held while this file is fetched into: a thread needing bytes another thread is fetching waits for them.
         self.lock = threading.Lock()
         self.fetched_bytes = 0
@@ -304,6 +306,15 @@ class RangeFile:
                 gaps.append((start, end))
         return gaps
 
+    def keep_out(self, spans) -> None:
+        """Never fetch bytes of `spans` by joining neighbouring ranges across them: they hold what must not
+        be read (optimizer state sharing an archive with the model). Asking for them directly still works.
+
+        >>> rank.keep_out([(4096, 8192)]); rank.fetch([(0, 100), (9000, 9100)])  # two requests  # doctest: +SKIP
+        200
+        """
+        self._fenced = _merged(self._fenced + [(s, e) for s, e in spans if e > s])
+
     def fetch(self, ranges, join_gap: int | None = None) -> int:
         """Make the bytes of `ranges` ([start, end) pairs) present in the sparse file; returns bytes downloaded.
 
@@ -337,7 +348,8 @@ def fetch_ranges(wanted: dict[RangeFile, list[tuple[int, int]]], join_gap: int |
         for remote in sorted(wanted, key=lambda r: (r.location.url, id(r))):  # one order: no deadlock
             held.enter_context(remote.lock)
         jobs = [(remote, start, end) for remote, ranges in wanted.items()
-                for start, end in _requests(remote.missing([(max(0, s), min(remote.size, e)) for s, e in ranges if e > s]), gap)]
+                for start, end in _requests(remote.missing([(max(0, s), min(remote.size, e)) for s, e in ranges if e > s]),
+                                            gap, remote._fenced)]
         by_fs: dict[int, list] = {}
         for job in jobs:
             by_fs.setdefault(id(job[0].location.fs), []).append(job)
@@ -366,11 +378,14 @@ def _batches(jobs: list):
         yield batch
 
 
-def _requests(gaps: list[tuple[int, int]], join_gap: int) -> list[tuple[int, int]]:
-    """`gaps` joined when closer than `join_gap` and cut into requests of at most RANGE_CHUNK bytes."""
+def _requests(gaps: list[tuple[int, int]], join_gap: int, fenced: list[tuple[int, int]] = ()) -> list[tuple[int, int]]:
+    """`gaps` joined when closer than `join_gap` (and no `fenced` span lies between them), cut into requests
+    of at most RANGE_CHUNK bytes."""
+    fence_starts = [start for start, _ in fenced]
     joined: list[list[int]] = []
     for start, end in gaps:
-        if joined and start - joined[-1][1] <= join_gap and end - joined[-1][0] <= RANGE_CHUNK:
+        if joined and start - joined[-1][1] <= join_gap and end - joined[-1][0] <= RANGE_CHUNK \
+                and not _crosses(fenced, fence_starts, joined[-1][1], start):
             joined[-1][1] = max(joined[-1][1], end)
         else:
             joined.append([start, end])
@@ -378,6 +393,12 @@ def _requests(gaps: list[tuple[int, int]], join_gap: int) -> list[tuple[int, int
     for start, end in joined:
         requests += [(s, min(end, s + RANGE_CHUNK)) for s in range(start, end, RANGE_CHUNK)]
     return requests
+
+
+def _crosses(fenced: list[tuple[int, int]], starts: list[int], low: int, high: int) -> bool:
+    """Whether a fenced span overlaps [low, high) (`fenced` sorted and disjoint, `starts` their starts)."""
+    at = bisect.bisect_left(starts, high) - 1  # the last span starting before `high`
+    return at >= 0 and fenced[at][1] > low
 
 
 def _cat_ranges(fs: fsspec.AbstractFileSystem, paths: list[str], batch: list) -> list[bytes]:

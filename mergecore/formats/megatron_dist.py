@@ -44,7 +44,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
-from ..storage import Location
+from ..storage import Location, RangeFile, fetch_ranges
 from ..tensorio import read_json
 from ..arrays import element_size, numpy_dtype
 from ..transforms import Transform, VocabParallel, make_transform
@@ -357,14 +357,18 @@ class MegatronDistCheckpoint(CheckpointSource):
     def _overlapping_chunks(self, s: Slice, box_offsets, box_sizes):
         """(low, high, mapped chunk, index of the overlap within it, chunk info) of each stored chunk of `s.key`
         overlapping the box; `low`/`high` are the overlap's global bounds."""
-        for chunk_offsets, chunk_sizes, info in self._chunk_files.get(s.key, []):
-            low = [max(b, c) for b, c in zip(box_offsets, chunk_offsets)]
-            high = [min(b + n, c + m) for b, n, c, m in zip(box_offsets, box_sizes, chunk_offsets, chunk_sizes)]
-            if any(lo >= hi for lo, hi in zip(low, high)):
-                continue
+        for low, high, chunk_offsets, chunk_sizes, info in self._overlapping_items(s, box_offsets, box_sizes):
             self._refuse_extensions(s, info)
             inside = tuple(slice(lo - c, hi - c) for lo, hi, c in zip(low, high, chunk_offsets))
             yield low, high, self._chunk_array(info, chunk_sizes), inside, info
+
+    def _overlapping_items(self, s: Slice, box_offsets, box_sizes):
+        """(low, high, chunk offsets, chunk sizes, storage info) of each stored chunk of `s.key` overlapping the box."""
+        for chunk_offsets, chunk_sizes, info in self._chunk_files.get(s.key, []):
+            low = [max(b, c) for b, c in zip(box_offsets, chunk_offsets)]
+            high = [min(b + n, c + m) for b, n, c, m in zip(box_offsets, box_sizes, chunk_offsets, chunk_sizes)]
+            if all(lo < hi for lo, hi in zip(low, high)):
+                yield low, high, chunk_offsets, chunk_sizes, info
 
     def _refuse_extensions(self, s: Slice, info) -> None:
         if info.transform_descriptors:
@@ -387,7 +391,7 @@ class MegatronDistCheckpoint(CheckpointSource):
             location = self.dist_dir.join(info.relative_path)
             shown = f"{location} (bytes {info.offset}+{info.length})"
             try:
-                array = torchfile.load(location.local_file(), shown, info.offset, info.length)
+                array = torchfile.load(self._readable(info), shown, info.offset, info.length)
             except OSError as err:
                 raise CheckpointError(f"{shown}: cannot be read ({err}); the file is missing or truncated: copy the "
                                       "whole dist_ckpt folder again") from None
@@ -396,6 +400,61 @@ class MegatronDistCheckpoint(CheckpointSource):
                                       f"{tuple(sizes)} chunk .metadata describes; the folder mixes two saves")
             self._chunks[key] = array
         return self._chunks[key]
+
+    def _readable(self, info) -> str:
+        """A local path holding the bytes of storage item `info`: a local .distcp file itself; for a remote one
+        its sparse range file (`RangeFile`), with this item's bytes fetched unless they are already there."""
+        location = self.dist_dir.join(info.relative_path)
+        if location.is_local:
+            return location.local_file()
+        remote = self._range_file(info.relative_path)
+        remote.fetch([(info.offset, info.offset + info.length)])
+        return remote.path
+
+    def _range_file(self, relative_path: str) -> RangeFile:
+        """The range file of a remote .distcp file; ranges are never joined across items that are not model
+        tensors (optimizer state sharing the file, extra state)."""
+        if relative_path not in self._range_files:
+            remote = RangeFile.of(self.dist_dir.join(relative_path))
+            remote.keep_out((info.offset, info.offset + info.length) for index, info in self.metadata.storage_data.items()
+                            if info.relative_path == relative_path and index.fqn not in self._tensor_keys)
+            self._range_files[relative_path] = remote
+        return self._range_files[relative_path]
+
+    @cached_property
+    def _range_files(self) -> dict[str, RangeFile]:
+        return {}
+
+    def _fetch_group(self, name: str) -> None:
+        """From remote .distcp files, the first tensor of a layer group asked for brings the storage items of
+        the whole group (a merge reads them together) in one concurrent batch of range requests: whole items,
+        each a torch.save archive of one saved box, never another key's (the optimizer's) items."""
+        from ..layout import group_of
+
+        if self.dist_dir.is_local:
+            return
+        group = group_of(name)[1]
+        if group in self._fetched_groups:
+            return
+        wanted: dict[RangeFile, list[tuple[int, int]]] = {}
+        for entry in self._group_members[group]:
+            for *_, info in self._overlapping_items(entry.slice, *self._box(entry.slice)):
+                wanted.setdefault(self._range_file(info.relative_path), []).append((info.offset, info.offset + info.length))
+        fetch_ranges(wanted)
+        self._fetched_groups.add(group)
+
+    @cached_property
+    def _fetched_groups(self) -> set[str]:
+        return set()
+
+    @cached_property
+    def _group_members(self) -> dict[str, list[Entry]]:
+        from ..layout import group_of
+
+        members: dict[str, list[Entry]] = {}
+        for name, entry in self._entries.items():
+            members.setdefault(group_of(name)[1], []).append(entry)
+        return members
 
     @cached_property
     def _chunk_files(self) -> dict[str, list[tuple[tuple, tuple, object]]]:
@@ -462,6 +521,7 @@ class MegatronDistCheckpoint(CheckpointSource):
         what = f" ({entry.part} part)" if entry.part else ""
         where = f"[{', '.join(map(str, s.index))}]" if s.index else ""
         runs = transform.row_map(s.shape[0], entry.part) if s.shape else []
+        self._fetch_group(name)
         found = False
         for low, high, chunk, inside, info in self._overlapping_chunks(s, box_offsets, box_sizes):
             found = True

@@ -24,14 +24,15 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
-from ..storage import Location
+from ..storage import Location, RangeFile, fetch_ranges
 from ..arrays import bitwise_equal, dtype_of
 from ..transforms import Replicated, ReplicatedGatedMLP, Transform, VocabParallel, make_transform
 from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from .detect import MP_RANK_DIR
 from . import torchfile
+from .torchfile import fetch_archive_metadata, mapped_span
 from .megatron_checks import check_layers, check_moe
-from .untrusted import megatron_file
+from .untrusted import Record, megatron_file
 
 MODEL_FILE = "model.pt"
 
@@ -85,6 +86,19 @@ def model_chunks(obj, shown_as: str) -> list[dict[str, np.ndarray]]:
             state[name] = value
         cleaned.append(state)
     return cleaned
+
+
+def _arrays(obj) -> Iterator[np.ndarray]:
+    """Every array inside a loaded file's object tree (dicts, lists, tuples, records' fields)."""
+    stack, seen = [obj], set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, np.ndarray):
+            yield item
+        elif id(item) not in seen and isinstance(item, (dict, list, tuple, set, Record)):
+            seen.add(id(item))
+            stack.extend(item.values() if isinstance(item, dict) else vars(item).values() if isinstance(item, Record)
+                         else item)
 
 
 # ---- the index: HF name -> where its pieces are ------------------------------------------------
@@ -178,9 +192,63 @@ class MegatronLegacyCheckpoint(CheckpointSource):
             with self._lock:
                 if key not in self._states:
                     location = self.file(tp_rank, pp_rank)
-                    loaded = load_model_file(location.local_file(), str(location))
-                    self._states[key] = model_chunks(loaded, str(location))
+                    self._states[key] = self._load(location)
         return self._states[key]
+
+    def _load(self, location: Location) -> list[dict[str, np.ndarray]]:
+        """A local file is mapped in place. A remote one is read by range (`RangeFile`): its archive directory
+        and pickle now, not one byte of any tensor (the archive may hold the optimizer state too), and each
+        tensor's bytes when its group is asked for (`_fetch`); ranges are never joined across a tensor
+        outside the model chunks."""
+        shown = str(location)
+        if location.is_local:
+            return model_chunks(load_model_file(location.local_file(), shown), shown)
+        remote = RangeFile.of(location)
+        fetch_archive_metadata(remote.fetch, remote.path, remote.size, shown, header_slack=0)
+        loaded = load_model_file(remote.path, shown)
+        chunks = model_chunks(loaded, shown)
+        model = {span for chunk in chunks for value in chunk.values() if (span := mapped_span(value))}
+        remote.keep_out(span for span in map(mapped_span, _arrays(loaded)) if span and span not in model)
+        self._range_files[shown] = remote
+        return chunks
+
+    @cached_property
+    def _range_files(self) -> dict[str, RangeFile]:
+        return {}
+
+    def _fetch(self, entries: Iterable[Entry]) -> None:
+        """Download the bytes of `entries`' pieces on every TP rank from remote files, in one concurrent batch."""
+        if not self._range_files:
+            return
+        spans: dict[RangeFile, list[tuple[int, int]]] = {}
+        for entry in entries:
+            for t in range(self.tp):
+                span = mapped_span(self._piece(t, entry))
+                if span:
+                    spans.setdefault(self._range_files[self._shown(t, entry.pp)], []).append(span)
+        fetch_ranges(spans)
+
+    def _fetch_group(self, name: str) -> None:
+        """The first tensor of a layer group asked for brings the whole group's bytes (a merge reads them together)."""
+        from ..layout import group_of
+
+        group = group_of(name)[1]
+        if self._range_files and group not in self._fetched_groups:
+            self._fetch(self._group_members[group])
+            self._fetched_groups.add(group)
+
+    @cached_property
+    def _fetched_groups(self) -> set[str]:
+        return set()
+
+    @cached_property
+    def _group_members(self) -> dict[str, list[Entry]]:
+        from ..layout import group_of
+
+        members: dict[str, list[Entry]] = {}
+        for name, entry in self._entries.items():
+            members.setdefault(group_of(name)[1], []).append(entry)
+        return members
 
     @cached_property
     def config(self) -> dict:
@@ -342,6 +410,7 @@ class MegatronLegacyCheckpoint(CheckpointSource):
         entry = self._entries[name]
         transform = entry.transform
         info = self.tensors()[name]
+        self._fetch_group(name)
         position = 0
         what = f" ({entry.part} part)" if entry.part else ""
         for t in range(self.tp):
@@ -384,9 +453,10 @@ class MegatronLegacyCheckpoint(CheckpointSource):
         for name, entry in entries.items():
             self._check_shapes(entry)
         self._check_vocab(entries)
-        for name, entry in entries.items():
-            if entry.transform.replicated:
-                self._check_replicated(entry)
+        replicated = [entry for entry in entries.values() if entry.transform.replicated]
+        self._fetch(replicated)
+        for entry in replicated:
+            self._check_replicated(entry)
         config_file = self.hf_dir.join("config.json")
         check_layers(self._entries, config, self.model_dir, config_file)
         check_moe(self.tensors(), config, self.model_dir, config_file)

@@ -153,42 +153,54 @@ def load(path: str, shown_as: str, offset: int = 0, length: int | None = None,
 
 _END_RECORD = b"PK\x05\x06"
 _END_SEARCH = 65536 + 22  # the end record sits within the last 64 KiB comment + its own 22 bytes
+_END_RECORDS = 22 + 20 + 56  # end record, zip64 locator and zip64 end record, when there is no comment
 _EXTRA_SLACK = 256        # room for a local header's extra field (torch pads data to 64 bytes with it)
 
 
-def fetch_archive_metadata(fetch, path: str, size: int, shown_as: str) -> None:
+def fetch_archive_metadata(fetch, path: str, size: int, shown_as: str, offset: int = 0, length: int | None = None,
+                           header_slack: int = _EXTRA_SLACK) -> None:
     """Make present in the sparse file `path` every byte `load` reads before any tensor value: the end
     records, the central directory, each member's local header and the small members (data.pkl, byteorder...).
 
     `fetch(ranges, join_gap)` downloads `[start, end)` ranges into `path`. Three or four batches of requests
     whatever the number of tensors; tensor bytes are fetched later, per piece (`mapped_span`), so headers
-    are never joined across the tensor bytes between them.
+    are never joined across the tensor bytes between them. `offset`/`length` select an archive stored inside
+    a larger file, as for `load`. `header_slack`: bytes fetched past a tensor member's name in the first
+    batch, in the hope they cover its extra field (saving the fourth batch); they reach into the tensor's
+    data, so pass 0 for archives holding tensors that must never be read (Megatron's optimizer state).
+
+    >>> fetch_archive_metadata(remote.fetch, remote.path, remote.size, "rank 0")   # doctest: +SKIP
     """
     fetch = functools.partial(fetch, join_gap=0)
+    end_of_archive = size if length is None else min(size, offset + length)
     try:
-        tail_start = max(0, size - _END_SEARCH)
-        fetch([(tail_start, size)])
         with open(path, "rb") as f:
-            f.seek(tail_start)
-            tail = f.read()
-            end = tail.rfind(_END_RECORD)
+            for search in (_END_RECORDS, _END_SEARCH):  # end records without a comment first: no byte of the data
+                tail_start = max(offset, end_of_archive - search)
+                fetch([(tail_start, end_of_archive)])
+                f.seek(tail_start)
+                tail = f.read(end_of_archive - tail_start)
+                end = tail.rfind(_END_RECORD)
+                if 0 <= end <= len(tail) - 22 and end + 22 + struct.unpack_from("<H", tail, end + 20)[0] == len(tail):
+                    break
             if end < 0 or end + 22 > len(tail):
                 raise ValueError("no zip end record")
             directory_size, directory_start = struct.unpack_from("<II", tail, end + 12)
             if 0xFFFFFFFF in (directory_size, directory_start) and end >= 20 + 56:
-                record = struct.unpack_from("<Q", tail, end - 20 + 8)[0] - tail_start  # zip64 end record
+                record = struct.unpack_from("<Q", tail, end - 20 + 8)[0] - tail_start + offset  # zip64 end record
                 directory_size, directory_start = struct.unpack_from("<QQ", tail, record + 40)
-            fetch([(directory_start, size)])
-            infos = zipfile.ZipFile(f).infolist()
-            wanted = [(info, 0 if info.filename.split("/", 1)[-1].startswith("data/") else info.compress_size)
-                      for info in infos]
-            fetch([(i.header_offset, i.header_offset + _LOCAL_HEADER.size + len(i.filename.encode()) + _EXTRA_SLACK + n)
-                   for i, n in wanted])
+            fetch([(min(offset + directory_start, end_of_archive), end_of_archive)])
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as raw:  # zipfile finds the window's own end record
+                infos = zipfile.ZipFile(_Window(raw, end_of_archive)).infolist()
+            wanted = [(info, info.filename.split("/", 1)[-1].startswith("data/")) for info in infos]
+            fetch([(i.header_offset, i.header_offset + _LOCAL_HEADER.size + len(i.filename.encode())
+                    + (header_slack if tensor else _EXTRA_SLACK + i.compress_size)) for i, tensor in wanted])
             exact = []
-            for info, n in wanted:
+            for info, tensor in wanted:
                 f.seek(info.header_offset)
                 name_length, extra_length = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))[1:]
-                exact.append((info.header_offset, info.header_offset + _LOCAL_HEADER.size + name_length + extra_length + n))
+                header_end = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+                exact.append((info.header_offset, header_end + (0 if tensor else info.compress_size)))
             fetch(exact)  # only what the slack did not cover
     except (ValueError, struct.error, zipfile.BadZipFile) as err:
         raise CheckpointError(
