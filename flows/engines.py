@@ -3,10 +3,11 @@
     runner = group_task_runner("dask", dask_workers=2, target="/models/step-100")
     merge_checkpoint.with_options(task_runner=runner)(ref, target)
 
-Only merge_group is submitted to the runner; discovery, planning, staging and finalize (which takes
-the publish lock) run in the flow's own process. Workers must reach the same staging folder and the
-same results folder (cache records and group locks, see tasks/caching.py): on one machine that is
-the target's parent folder; across machines, a shared file system (CKPTFLOW_RESULTS on it).
+Only merge_group (merge_file for an object-storage target) is submitted to the runner; discovery,
+planning, staging and finalize (which takes the publish lock) run in the flow's own process. Workers must
+reach the same results folder (cache records and locks, see tasks/caching.py) and, for a local target, the
+same staging folder: on one machine they do; across machines, a shared file system (CKPTFLOW_RESULTS on
+it). An s3:// target needs no shared staging: each worker streams its files to it.
 """
 
 from __future__ import annotations

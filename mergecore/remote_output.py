@@ -126,6 +126,24 @@ def write_file(prepared, target: str, file: str, merge_id: str, **options) -> di
     return receipt
 
 
+def check_sizes(target: str | Location, manifest: dict) -> dict:
+    """The cheap check of a published remote model (no byte read): every file the manifest lists is there with
+    its size; `ckptflow verify` re-hashes everything. Returns the result row."""
+    from .verify import file_changed, file_missing
+
+    location = Location.of(target)
+    fs, root = location._fs_path
+    fs.invalidate_cache(root)
+    for name, entry in manifest["files"].items():
+        try:
+            size = fs.info(posixpath.join(root, name))["size"]
+        except FileNotFoundError:
+            raise file_missing(location.join(name)) from None
+        if size != entry["size"]:
+            raise file_changed(location.join(name))
+    return {"check": "manifest (size)", "files": len(manifest["files"]), "ok": True}
+
+
 @contextmanager
 def downloaded(target: str):
     """A local copy of the published model at remote `target` (the manifest's files only, each checked for its
@@ -227,7 +245,11 @@ def finalize_remote(prepared, target: str, receipts: list[dict], *, verify: bool
         for name in local:
             if name != MANIFEST_FILE:
                 fs.put_file(str(folder / name), posixpath.join(root, name))
-        for stale in set(_objects(location)) - set(local) - set(plan.files):
-            fs.rm_file(posixpath.join(root, stale))  # an earlier model's files, the staging records
+        leftovers = set(_objects(location)) - set(local) - set(plan.files)
+        records = {name for name in leftovers if name.startswith(STAGING_RECORDS + "/")}
+        for stale in sorted(leftovers - records):  # an earlier model's files
+            fs.rm_file(posixpath.join(root, stale))
         fs.put_file(str(folder / MANIFEST_FILE), posixpath.join(root, MANIFEST_FILE))
+        for record in sorted(records):  # kept until the model is published: a crash before resumes with them
+            fs.rm_file(posixpath.join(root, record))
     return manifest

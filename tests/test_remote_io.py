@@ -159,6 +159,8 @@ def test_a_crash_before_the_manifest_leaves_no_visible_model(s3_env, published, 
         merge_checkpoint(source_of(published), published, dtype="float32", overwrite=True)
     left = objects(s3_env, published[5:])
     assert MANIFEST not in left and any(name.endswith(".safetensors") for name in left)  # files, but no model
+    records = {name: json.loads(data)["receipt"] for name, data in left.items() if name.startswith(".ckptflow-staging/")}
+    assert sorted(records) == sorted(f".ckptflow-staging/{n}.json" for n in left if n.endswith(".safetensors"))
     with pytest.raises(CheckpointError, match="no published model"):
         with downloaded(published):
             pass
@@ -169,6 +171,7 @@ def test_a_crash_before_the_manifest_leaves_no_visible_model(s3_env, published, 
     s3fs.S3FileSystem.clear_instance_cache()
     manifest = merge_checkpoint(source_of(published), published, dtype="float32", overwrite=True)
     assert manifest["dtype"] == "float32"
+    assert manifest["groups_written"] == list(records.values())  # the files written before the crash were kept
     assert cli("verify", published).exit_code == 0
 
 
@@ -185,3 +188,8 @@ def test_promotion_from_s3_to_s3_equals_the_local_merge(prefect_server, s3_env, 
     for path in (tmp_path / "local").glob("*.safetensors"):
         assert remote[path.name] == path.read_bytes(), path.name
     assert MANIFEST in remote and cli("verify", "s3://io-models/io4").exit_code == 0
+
+    rerun = cli("promote", source, "--target", "s3://io-models/io4")  # the target holds this merge: nothing runs
+    assert rerun.exit_code == 0, rerun.output
+    assert "manifest (size)" in rerun.stdout and "files reused from cache" in rerun.stdout
+    assert objects(s3_env, "io-models/io4") == remote

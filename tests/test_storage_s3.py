@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 
 import pytest
@@ -18,6 +19,9 @@ def s3_endpoint():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # Its request lines would reach the root logger's handlers: Prefect's console handler, bound to the stderr
+    # of whichever CLI call configured it (a CliRunner stream closed since), breaking later one-line asserts.
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
     server.start()
     yield f"http://127.0.0.1:{port}"
     server.stop()
