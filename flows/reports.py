@@ -22,7 +22,7 @@ def merge_report(source: dict, plan: MergePlan, receipts: list[dict], cached: li
 | mesh | {source.get('mesh_shape')} {source.get('mesh_dim_names') or ''} |
 | output dtype | {manifest['dtype']} |
 | files | {len(plan.files)} ({total:,} bytes of weights) |
-| groups | {len(plan.groups)} ({len(cached)} cached groups or files) |
+| groups | {len(plan.groups)} ({len(cached)} cached) |
 | timings | {manifest.get('timings', {})} |
 
 | group (or file) | tensors | bytes | seconds | |
