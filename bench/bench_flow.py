@@ -92,7 +92,7 @@ def bench_checkpoint(work: Path, layers: int) -> Path:
 
 def goal_line(label: str, value: float, unit: str, goal: float, applies: bool = True) -> str:
     verdict = ("met" if value <= goal else "NOT met") if applies else "n/a here"
-    return f"  GOAL {label:<44} {value:7.2f}{unit}  (goal <= {goal:g}{unit}): {verdict}"
+    return f"  GOAL {label:<44} {value:7.3f}{unit}  (goal <= {goal:g}{unit}): {verdict}"
 
 
 def prepared(role: str):
