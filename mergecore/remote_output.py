@@ -93,8 +93,8 @@ def stage_remote(prepared, target: str, overwrite: bool) -> dict:
 
 
 def finished_files(target: Location, files: list[str], merge_id: str) -> dict[str, dict]:
-    """{file: receipt} of the weight files already written for merge `merge_id`: recorded, and the stored object
-    is still the one recorded (same size and ETag)."""
+    """{file: receipt} of the weight files already written and checked for merge `merge_id`: recorded, and the
+    stored object is still the one recorded (same size and ETag)."""
     fs, root = target._fs_path
     fs.invalidate_cache(root)
     records = posixpath.join(root, STAGING_RECORDS)
@@ -105,8 +105,9 @@ def finished_files(target: Location, files: list[str], merge_id: str) -> dict[st
             stored = _identity(fs.info(posixpath.join(root, file)))
         except (FileNotFoundError, ValueError):
             continue
-        if record.get("weights_id") == merge_id and record.get("receipt", {}).get("identity") == stored:
-            kept[file] = record["receipt"]
+        receipt = record.get("receipt", {})
+        if record.get("weights_id") == merge_id and receipt.get("identity") == stored and "pieces" in receipt:
+            kept[file] = receipt  # written, stored and checked (one written without the check is written again)
     return kept
 
 

@@ -36,42 +36,22 @@ def write_remote_file(source: CheckpointSource, plan: MergePlan, file: str, targ
     wrote some. With `on_nonfinite="fail"` the first NaN/Inf raises CheckpointError and no object appears.
     """
     from .budget import chunk_bytes as budget_of
-    from .merge import add_counts
-    from .nonfinite import check_nonfinite_policy, nonfinite_error
-    from .writer import tensor_bytes
+    from .nonfinite import check_nonfinite_policy
 
     check_nonfinite_policy(on_nonfinite)
     started, budget = time.perf_counter(), budget_of(chunk_bytes)
     location = Location.of(target).join(file)
     fs, path = location._fs_path
     planned = sorted(plan.in_file(file), key=lambda t: t.begin)
-    sent, nonfinite = hashlib.sha256(), {}
+    sent = hashlib.sha256()
     source.prefetch([t.name for t in planned])  # from remote rank files: this file's bytes only, in one batch
-    with fs.open(path, "wb") as out:
-        header = plan.header(file)
-        out.write(header)
-        sent.update(header)
-        position = 0
-        for entry in planned:
-            if entry.begin != position:
-                raise AssertionError(f"{file}: the plan leaves bytes {position}..{entry.begin} unassigned")
-            counts = None
-            for _, block in source.row_blocks(entry.name, entry.dtype, budget):  # rows in order, so bytes in order
-                found = nonfinite_counts(block) if entry.dtype in FLOATING else None
-                if found and on_nonfinite == "fail":
-                    raise nonfinite_error({entry.name: found}, source.location)
-                counts = add_counts(counts, found)
-                data = tensor_bytes(block)
-                out.write(data)
-                sent.update(data)
-                position += len(data)
-                del block, data
-            if position != entry.end:
-                raise AssertionError(f"{entry.name}: wrote up to byte {position} of {file}, planned {entry.end}")
-            if counts:
-                nonfinite[entry.name] = counts
-            if on_tensor:
-                on_tensor(entry.name)
+    out = fs.open(path, "wb")
+    try:
+        position, nonfinite = _stream(source, plan, file, planned, out, sent, on_nonfinite, budget, on_tensor)
+    except BaseException:
+        abandon(out)
+        raise
+    out.close()  # completes the upload: the object appears, whole
     stored = Location._fresh_info(fs, path)
     receipt = {"file": file, "groups": sorted({t.group for t in planned}, key=plan.groups.index),
                "tensors": len(planned), "bytes": position, "size": int(stored["size"]),
@@ -104,3 +84,47 @@ def check_stored_file(source: CheckpointSource, plan: MergePlan, file: str, loca
                                 "of the planned tensors; merge again")
     checked = names + [dropped for dropped, kept in plan.aliases.items() if kept in names]
     return sum(source.check_round_trip(name, weights.get_tensor(plan.aliases.get(name, name))) for name in checked)
+
+
+def _stream(source, plan, file, planned, out, sent, on_nonfinite, budget, on_tensor) -> tuple[int, dict]:
+    """Write the header and then every planned tensor of `file`, in order, to `out`; returns (data bytes written,
+    non-finite counts per tensor)."""
+    from .merge import add_counts
+    from .nonfinite import nonfinite_error
+    from .writer import tensor_bytes
+
+    nonfinite = {}
+    header = plan.header(file)
+    out.write(header)
+    sent.update(header)
+    position = 0
+    for entry in planned:
+        if entry.begin != position:
+            raise AssertionError(f"{file}: the plan leaves bytes {position}..{entry.begin} unassigned")
+        counts = None
+        for _, block in source.row_blocks(entry.name, entry.dtype, budget):  # rows in order, so bytes in order
+            found = nonfinite_counts(block) if entry.dtype in FLOATING else None
+            if found and on_nonfinite == "fail":
+                raise nonfinite_error({entry.name: found}, source.location)
+            counts = add_counts(counts, found)
+            data = tensor_bytes(block)
+            out.write(data)
+            sent.update(data)
+            position += len(data)
+            del block, data
+        if position != entry.end:
+            raise AssertionError(f"{entry.name}: wrote up to byte {position} of {file}, planned {entry.end}")
+        if counts:
+            nonfinite[entry.name] = counts
+        if on_tensor:
+            on_tensor(entry.name)
+    return position, nonfinite
+
+
+def abandon(out) -> None:
+    """Drop an unfinished upload: fsspec's files complete it on close (a truncated object under the final
+    name); `discard` aborts a multipart upload (s3fs) and drops the buffer, and a closed file is never flushed."""
+    try:
+        out.discard()
+    finally:
+        out.closed = True

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from mergecore.arrays import nonfinite_counts
+from test_storage_s3 import s3_endpoint, s3_env  # noqa: F401  (moto server + s3fs fixtures)
 
 DIVERGED = "model.layers.1.mlp.up_proj.weight"
 
@@ -125,3 +126,27 @@ def test_policy_docstrings():
 
     result = doctest.testmod(mergecore.nonfinite)
     assert result.attempted and result.failed == 0
+
+
+def test_a_remote_target_gets_no_object_of_a_refused_file(diverged, s3_env, tmp_path):
+    """A file whose upload stops half-way (here: NaN with on_nonfinite=fail) must not appear truncated at the
+    target: fsspec completes an upload on close, so the writer aborts it instead."""
+    from mergecore import CheckpointError, merge_checkpoint
+
+    s3_env.mkdir("nonfinite-models")
+    with pytest.raises(CheckpointError, match="NaN"):
+        merge_checkpoint(str(diverged.role_dir), "s3://nonfinite-models/m", max_shard_size="40KB",
+                         on_nonfinite="fail", workers=1)
+    s3_env.invalidate_cache()
+    left = [p.rsplit("/", 1)[1] for p in s3_env.find("nonfinite-models/m")]
+    written = [name for name in left if name.endswith(".safetensors")]
+    assert written  # the files before the diverged tensor's were written...
+    assert not [name for name in left if "ckptflow_manifest" in name]  # ...but nothing was published
+    from safetensors import safe_open
+
+    for name in written:  # and every object there is a whole, valid file
+        s3_env.get_file(f"nonfinite-models/m/{name}", str(tmp_path / name))
+        with safe_open(tmp_path / name, "np") as weights:
+            assert DIVERGED not in weights.keys()
+            for key in weights.keys():
+                weights.get_tensor(key)
