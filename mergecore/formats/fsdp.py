@@ -20,6 +20,7 @@ from ..errors import CheckpointError
 from ..storage import Location, RangeFile, fetch_ranges
 from .base import CheckpointSource, Piece, TensorInfo
 from .detect import FSDP_RANK_FILE as RANK_FILE
+from .fetching import FetchesByGroup
 from .torchfile import DTensorRecord, ShardedTensorRecord, fetch_archive_metadata, load, mapped_span
 
 
@@ -117,7 +118,7 @@ def _fsdp_config(where: Location) -> dict:
     return config
 
 
-class FsdpCheckpoint(CheckpointSource):
+class FsdpCheckpoint(FetchesByGroup, CheckpointSource):
     format_name = "verl-fsdp"
 
     def __init__(self, location: Location, hf_dir: Location | None = None, step: int | None = None):
@@ -210,20 +211,17 @@ class FsdpCheckpoint(CheckpointSource):
         return {}
 
     def _fetched(self, pieces: list[Piece], name: str) -> list[Piece]:
-        """`pieces`, their bytes downloaded first when they come from remote rank files.
-
-        The first tensor of a layer group asked for brings the whole group's bytes (unless `prefetch` brought
-        them) from every rank in one concurrent batch of range requests (a merge reads a group's tensors
-        together): round trips per group, not per tensor and rank."""
-        if self._range_files and name not in self._fetched_names:
-            self._fetch([m for m in self._group_members[self._groups[name]] if m not in self._fetched_names])
+        """`pieces`, their bytes downloaded first when they come from remote rank files (see FetchesByGroup)."""
+        self._fetch_for(name)
         return pieces
 
-    def prefetch(self, names) -> None:
-        if self._range_files:
-            self._fetch([n for n in names if n in self._saved_pieces and n not in self._fetched_names])
+    def _reads_remotely(self) -> bool:
+        return bool(self._range_files)
 
-    def _fetch(self, names: list[str]) -> None:
+    def _fetchable_names(self):
+        return self._saved_pieces
+
+    def _download(self, names: list[str]) -> None:
         spans: dict[RangeFile, list[tuple[int, int]]] = {}
         for member in names:
             for piece in self._saved_pieces[member]:
@@ -231,24 +229,6 @@ class FsdpCheckpoint(CheckpointSource):
                 if span and piece.source in self._range_files:
                     spans.setdefault(self._range_files[piece.source], []).append(span)
         fetch_ranges(spans)
-        self._fetched_names.update(names)
-
-    @cached_property
-    def _groups(self) -> dict[str, str]:
-        from ..layout import group_of
-
-        return {name: group_of(name)[1] for name in self._saved_pieces}
-
-    @cached_property
-    def _group_members(self) -> dict[str, list[str]]:
-        members: dict[str, list[str]] = {}
-        for name, group in self._groups.items():
-            members.setdefault(group, []).append(name)
-        return members
-
-    @cached_property
-    def _fetched_names(self) -> set[str]:
-        return set()
 
     @cached_property
     def _saved_pieces(self) -> dict[str, list[Piece]]:

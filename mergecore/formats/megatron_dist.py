@@ -51,6 +51,7 @@ from ..transforms import Transform, VocabParallel, make_transform
 from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from . import torchfile
 from .detect import DIST_METADATA_FILE, dist_ckpt_dir
+from .fetching import FetchesByGroup
 from .megatron_checks import check_layers, check_moe
 from .untrusted import DCP_METADATA, DCP_RECORDS, AllowListUnpickler, Refused, check_plain_fields
 
@@ -192,7 +193,7 @@ class Entry:
     mapped: Mapped
 
 
-class MegatronDistCheckpoint(CheckpointSource):
+class MegatronDistCheckpoint(FetchesByGroup, CheckpointSource):
     format_name = "verl-megatron-dist"
 
     def __init__(self, location: Location, hf_dir: Location | None = None, step: int | None = None,
@@ -425,36 +426,20 @@ class MegatronDistCheckpoint(CheckpointSource):
     def _range_files(self) -> dict[str, RangeFile]:
         return {}
 
-    def _fetch_group(self, name: str) -> None:
-        """From remote .distcp files, the first tensor of a layer group asked for brings the storage items of
-        the whole group (a merge reads them together) in one concurrent batch of range requests: whole items,
-        each a torch.save archive of one saved box, never another key's (the optimizer's) items."""
-        from ..layout import group_of
+    def _reads_remotely(self) -> bool:
+        return not self.dist_dir.is_local
 
-        if self.dist_dir.is_local:
-            return
-        group = group_of(name)[1]
-        if group in self._fetched_groups:
-            return
+    def _fetchable_names(self):
+        return self._entries
+
+    def _download(self, names: list[str]) -> None:
+        """The storage items of `names` from remote .distcp files, in one concurrent batch of range requests:
+        whole items, each a torch.save archive of one saved box, never another key's (the optimizer's) items."""
         wanted: dict[RangeFile, list[tuple[int, int]]] = {}
-        for entry in self._group_members[group]:
+        for entry in (self._entries[name] for name in names):
             for *_, info in self._overlapping_items(entry.slice, *self._box(entry.slice)):
                 wanted.setdefault(self._range_file(info.relative_path), []).append((info.offset, info.offset + info.length))
         fetch_ranges(wanted)
-        self._fetched_groups.add(group)
-
-    @cached_property
-    def _fetched_groups(self) -> set[str]:
-        return set()
-
-    @cached_property
-    def _group_members(self) -> dict[str, list[Entry]]:
-        from ..layout import group_of
-
-        members: dict[str, list[Entry]] = {}
-        for name, entry in self._entries.items():
-            members.setdefault(group_of(name)[1], []).append(entry)
-        return members
 
     @cached_property
     def _chunk_files(self) -> dict[str, list[tuple[tuple, tuple, object]]]:
@@ -521,7 +506,7 @@ class MegatronDistCheckpoint(CheckpointSource):
         what = f" ({entry.part} part)" if entry.part else ""
         where = f"[{', '.join(map(str, s.index))}]" if s.index else ""
         runs = transform.row_map(s.shape[0], entry.part) if s.shape else []
-        self._fetch_group(name)
+        self._fetch_for(name)
         found = False
         for low, high, chunk, inside, info in self._overlapping_chunks(s, box_offsets, box_sizes):
             found = True

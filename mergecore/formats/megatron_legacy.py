@@ -29,6 +29,7 @@ from ..arrays import bitwise_equal, dtype_of
 from ..transforms import Replicated, ReplicatedGatedMLP, Transform, VocabParallel, make_transform
 from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from .detect import MP_RANK_DIR
+from .fetching import FetchesByGroup
 from . import torchfile
 from .torchfile import fetch_archive_metadata, mapped_span
 from .megatron_checks import check_layers, check_moe
@@ -116,7 +117,7 @@ class Entry:
     mapped: Mapped
 
 
-class MegatronLegacyCheckpoint(CheckpointSource):
+class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
     format_name = "verl-megatron-legacy"
 
     def __init__(self, location: Location, hf_dir: Location | None = None, step: int | None = None,
@@ -228,27 +229,14 @@ class MegatronLegacyCheckpoint(CheckpointSource):
                     spans.setdefault(self._range_files[self._shown(t, entry.pp)], []).append(span)
         fetch_ranges(spans)
 
-    def _fetch_group(self, name: str) -> None:
-        """The first tensor of a layer group asked for brings the whole group's bytes (a merge reads them together)."""
-        from ..layout import group_of
+    def _reads_remotely(self) -> bool:
+        return bool(self._range_files)
 
-        group = group_of(name)[1]
-        if self._range_files and group not in self._fetched_groups:
-            self._fetch(self._group_members[group])
-            self._fetched_groups.add(group)
+    def _fetchable_names(self):
+        return self._entries
 
-    @cached_property
-    def _fetched_groups(self) -> set[str]:
-        return set()
-
-    @cached_property
-    def _group_members(self) -> dict[str, list[Entry]]:
-        from ..layout import group_of
-
-        members: dict[str, list[Entry]] = {}
-        for name, entry in self._entries.items():
-            members.setdefault(group_of(name)[1], []).append(entry)
-        return members
+    def _download(self, names: list[str]) -> None:
+        self._fetch(self._entries[name] for name in names)
 
     @cached_property
     def config(self) -> dict:
@@ -410,7 +398,7 @@ class MegatronLegacyCheckpoint(CheckpointSource):
         entry = self._entries[name]
         transform = entry.transform
         info = self.tensors()[name]
-        self._fetch_group(name)
+        self._fetch_for(name)
         position = 0
         what = f" ({entry.part} part)" if entry.part else ""
         for t in range(self.tp):
