@@ -65,7 +65,7 @@ def merge_phase_seconds(role: Path, out: Path, extra: list[str], repeat: int) ->
     seconds = []
     for _ in range(repeat):
         shutil.rmtree(out, ignore_errors=True)
-        warm(role)
+        warm(f"{role}/model_*.pt")
         subprocess.run([PYTHON, "-m", "flows.cli", "merge", "--local_dir", str(role), "--target_dir", str(out), *extra],
                        check=True, capture_output=True)
         timings = json.loads((out / "ckptflow_manifest.json").read_text())["timings"]
@@ -91,7 +91,7 @@ def main() -> None:
     for layers in sorted({10, *map(int, args.depths.split(","))}):
         role = checkpoint(args.work, layers)
         size = sum(f.stat().st_size for f in role.glob("model_*.pt")) / 1e9
-        warm(role)
+        warm(f"{role}/model_*.pt")
         print(f"\n{layers} layers: {size:.2f} GB of fp32 rank files (W=4), medians of {args.repeat}")
         if layers == 10:
             contenders = {
