@@ -6,7 +6,15 @@ The model is the issue's tiny Qwen2 (4 layers, hidden 256, 51 tensors, ~50 MB fp
 FSDP2 layout with W ranks by `ckptflow_testing.large_world` (one process, torch's fake process group,
 real DTensor pickles). Checkpoints are kept under bench/_work (W=1024 takes ~30 s to write). Whole
 processes, start-up included, warm page cache, medians of `--repeat`; the W=1024/W=256 ratio and the
-ckptflow vs verl-style ratio come from the same run.
+ckptflow vs verl-style ratio come from the same run; at each world size the contenders alternate (one
+sample of each per round).
+
+    python bench/bench_world.py --repeat 3 --verl-site bench/_work/verl-site   # adds verl's real merger
+
+`--verl-site` is a folder holding verl 0.9.1 and the few packages its merger imports, installed with
+`pip install --no-deps --target` (never into the project's env): see bench/verl_site.py. Its output is
+compared with ours tensor by tensor at each world size. `--skip-verl` leaves out the verl-style imitation
+(bench/verl_style_merge.py), which is slow at W=1024.
 """
 
 from __future__ import annotations
@@ -17,7 +25,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from measure import median_run
+import verl_site
+from measure import alternating_medians
 
 HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
@@ -36,16 +45,15 @@ def checkpoint(work: Path, world_size: int) -> Path:
     return role
 
 
-def run(label: str, argv: list[str], out: Path, repeat: int, role: Path) -> dict:
-    return median_run(label, argv, out, repeat, f"{role}/model_*.pt")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=HERE / "_work")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--skip-verl", action="store_true", help="time ckptflow only")
+    parser.add_argument("--skip-verl", action="store_true", help="leave out the verl-style imitation")
+    parser.add_argument("--verl-site", type=Path, help="folder with verl 0.9.1 installed (bench/verl_site.py)")
     args = parser.parse_args()
+    if args.verl_site:
+        verl_site.check_site(args.verl_site)
     args.work.mkdir(parents=True, exist_ok=True)
     out = args.work / "out-world"
     roles = {w: checkpoint(args.work, w) for w in WORLDS}
@@ -54,23 +62,32 @@ def main() -> None:
     for world, role in roles.items():
         size = sum(f.stat().st_size for f in role.glob("model_*.pt")) / 1e6
         print(f"\nW={world}: {size:.0f} MB of rank files, medians of {args.repeat}")
-        results[world] = {"ckptflow": run("ckptflow merge (verified)", [
-            PYTHON, str(HERE / "ckptflow_merge.py"), "merge", "--dtype", "bf16", "--local_dir", str(role),
-            "--target_dir", str(out)], out, args.repeat, role)}
+        ckptflow = [PYTHON, str(HERE / "ckptflow_merge.py"), "merge", "--dtype", "bf16", "--local_dir", str(role),
+                    "--target_dir"]
+        contenders = {"ckptflow": ("ckptflow merge (verified)", [*ckptflow, str(out)], None)}
         if not args.skip_verl:
-            results[world]["verl"] = run("verl-style merger", [PYTHON, str(HERE / "verl_style_merge.py"), str(role),
-                                                               str(out)], out, args.repeat, role)
+            contenders["verl"] = ("verl-style merger", [PYTHON, str(HERE / "verl_style_merge.py"), str(role), str(out)], None)
+        if args.verl_site:
+            contenders["verl_real"] = (verl_site.LABEL, verl_site.verl_argv(role, out), verl_site.verl_env(args.verl_site))
+        medians = alternating_medians({label: (argv, env) for label, argv, env in contenders.values()},
+                                      out, args.repeat, f"{role}/model_*.pt")
+        results[world] = {key: medians[label] for key, (label, _, _) in contenders.items()}
+        if args.verl_site:
+            ours_out, verl_out = args.work / "fair-ckptflow", args.work / "fair-verl"
+            print("  same model as verl's? " + verl_site.compare_outputs([*ckptflow, str(ours_out)], ours_out,
+                                                                         args.verl_site, role, verl_out))
 
     big, small = results[1024], results[256]
     print("\nratios (goals from issue 12 in brackets)")
     print(f"  ckptflow W=1024 / W=256: {big['ckptflow']['seconds'] / small['ckptflow']['seconds']:.2f}x whole process, "
           f"{big['ckptflow']['work_seconds'] / small['ckptflow']['work_seconds']:.2f}x after imports   [<= 4.5x]")
-    if not args.skip_verl:
-        print(f"  verl-style W=1024 / W=256: {big['verl']['seconds'] / small['verl']['seconds']:.2f}x whole process")
+    baselines = ([] if args.skip_verl else [("verl", "verl-style")]) + ([("verl_real", verl_site.LABEL)] if args.verl_site else [])
+    for name, label in baselines:
+        print(f"  {label} W=1024 / W=256: {big[name]['seconds'] / small[name]['seconds']:.2f}x whole process")
         for world in WORLDS:
             r = results[world]
-            print(f"  W={world}: ckptflow {r['verl']['seconds'] / r['ckptflow']['seconds']:.2f}x faster than verl-style "
-                  f"whole process, {r['verl']['work_seconds'] / r['ckptflow']['work_seconds']:.2f}x after imports"
+            print(f"  W={world}: ckptflow {r[name]['seconds'] / r['ckptflow']['seconds']:.2f}x faster than {label} "
+                  f"whole process, {r[name]['work_seconds'] / r['ckptflow']['work_seconds']:.2f}x after imports"
                   + ("   [>= 2x]" if world == 1024 else ""))
     (args.work / "results-world.json").write_text(json.dumps(results, indent=2))
 

@@ -62,13 +62,26 @@ def warm(pattern: str) -> None:
 def median_run(label: str, argv: list[str], out: Path, repeat: int, inputs: str, env: dict | None = None) -> dict:
     """Medians of `repeat` samples of `argv` (each after `warm(inputs)`, with `out` removed first and after),
     printed on one line."""
-    samples = []
+    return alternating_medians({label: (argv, env)}, out, repeat, inputs)[label]
+
+
+def alternating_medians(contenders: dict[str, tuple[list[str], dict | None]], out: Path, repeat: int,
+                        inputs: str) -> dict[str, dict]:
+    """Medians of `repeat` rounds, each round one sample of every contender in turn (label -> (argv, env)),
+    so a slow stretch of a noisy machine falls on all of them alike; one printed line per contender.
+
+    >>> alternating_medians({"cp": (["cp", "-r", "a", "b"], None)}, Path("b"), 3, "a/*")  # doctest: +SKIP
+    """
+    samples: dict[str, list[dict]] = {label: [] for label in contenders}
     for _ in range(repeat):
-        shutil.rmtree(out, ignore_errors=True)
-        warm(inputs)
-        samples.append(measure(argv, env))
+        for label, (argv, env) in contenders.items():
+            shutil.rmtree(out, ignore_errors=True)
+            warm(inputs)
+            samples[label].append(measure(argv, env))
     shutil.rmtree(out, ignore_errors=True)
-    median = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-    print(f"  {label:<38} {median['seconds']:7.2f} s (after imports {median['work_seconds']:6.2f} s)   "
-          f"anon {median['anon_mib']:6.0f} MiB   rss {median['rss_mib']:6.0f} MiB", flush=True)
-    return median
+    medians = {}
+    for label, runs in samples.items():
+        median = medians[label] = {k: statistics.median(s[k] for s in runs) for k in runs[0]}
+        print(f"  {label:<38} {median['seconds']:7.2f} s (after imports {median['work_seconds']:6.2f} s)   "
+              f"anon {median['anon_mib']:6.0f} MiB   rss {median['rss_mib']:6.0f} MiB", flush=True)
+    return medians
