@@ -233,8 +233,12 @@ def leftovers_path(target: Path) -> Path:
     return target.parent / f".{target.name}.ckptflow-partial"
 
 
-def test_promote_killed_mid_merge_then_rerun_gives_the_same_bytes(demo, tmp_path):
-    """`ckptflow promote` on its embedded Prefect server, killed with the server after its staging appeared."""
+def test_promote_killed_mid_merge_then_rerun_gives_the_same_bytes(prefect_server, demo, tmp_path):
+    """`ckptflow promote` on its embedded Prefect server, killed with the server after its staging appeared;
+    the rerun resumes from the files and results on disk, here against the session's server (no second
+    embedded server to start)."""
+    from prefect.settings import PREFECT_API_URL
+
     ckpt = demo("fsdp2-w2")
     baseline = tmp_path / "baseline"
     merge_checkpoint(str(ckpt.role_dir), baseline)
@@ -247,7 +251,7 @@ def test_promote_killed_mid_merge_then_rerun_gives_the_same_bytes(demo, tmp_path
         watch.targets.append(target)
         outcome = run_and_kill(promote, random.Random(7).uniform(0.0, 0.2), staging=leftovers_path(target), env=env)
         assert outcome == "killed", outcome
-        code, _, stderr = finished(ckptflow(*promote, env=env))
+        code, _, stderr = finished(ckptflow(*promote, env={"PREFECT_API_URL": PREFECT_API_URL.value()}))
         assert code == 0, f"{outcome}: {stderr[-3000:]}"
     assert watch.violations == []
     assert_same_output(target, baseline)
