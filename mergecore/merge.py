@@ -253,7 +253,7 @@ def finalize(
     """
     from .fingerprints import metadata_id, weights_id
     from .output import BackgroundHashes, clear_strays, write_descriptive_files, write_manifest
-    from .publish import publish
+    from .publish import publish, start_writeback
     from .verify import verify_round_trip
 
     plan = prepared.plan
@@ -263,6 +263,7 @@ def finalize(
     hashes.start(plan.files)  # finishes while the round-trip check runs
     descriptive = write_descriptive_files(prepared.source, prepared.config, plan, staging)
     descriptive += write_adapter_beside(prepared.source, staging)  # a LoRA merge's lora_adapter/, checked as written
+    start_writeback([staging / file for file in plan.files])  # to disk while the checks run; publish fsyncs
     results = [verify_round_trip(prepared.source, staging, plan.aliases, workers)] if verify else []
     results += checks(staging) if checks else []
     clock.lap("verify")
