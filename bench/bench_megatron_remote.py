@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import measure  # noqa: E402
+from moto_s3 import start_moto  # noqa: E402
 
 MERGE = "import sys; from mergecore import merge_checkpoint; merge_checkpoint(sys.argv[1], sys.argv[2], dtype='bf16')"
 
@@ -74,24 +74,14 @@ def main() -> None:
     args = parser.parse_args()
 
     import s3fs
-    from moto.server import ThreadedMotoServer
 
     from mergecore import merge_checkpoint
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-                      FSSPEC_S3_ENDPOINT_URL=f"http://127.0.0.1:{port}")
-    import fsspec.config
-
-    fsspec.config.set_conf_env(fsspec.config.conf)  # fsspec passes the endpoint to s3fs
+    server, _ = start_moto()
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
         os.environ["CKPTFLOW_CACHE"] = str(root / "cache")
-        fs = s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{port}")
+        fs = s3fs.S3FileSystem(endpoint_url=os.environ["FSSPEC_S3_ENDPOINT_URL"])
         fs.mkdir("bench-mremote")
         fetched, whole = counting()
         for kind, role in (("legacy TP2 model.pt", legacy_checkpoint(root)), ("dist_ckpt .distcp", dist_checkpoint(root))):

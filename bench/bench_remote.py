@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import measure  # noqa: E402
+from moto_s3 import start_moto  # noqa: E402
 
 BASELINE = """
 import sys, s3fs, tempfile, os
@@ -74,18 +74,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args()
 
-    from moto.server import ThreadedMotoServer
-
     from ckptflow_testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-           "FSSPEC_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-    os.environ.update(env)
+    server, env = start_moto()
     import s3fs
 
     fs = s3fs.S3FileSystem()

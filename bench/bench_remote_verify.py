@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import _status_kib  # noqa: E402
+from moto_s3 import start_moto  # noqa: E402
 
 OLD_WAY = """
 import sys
@@ -85,18 +85,9 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=8, help="about this many weight files")
     args = parser.parse_args()
 
-    from moto.server import ThreadedMotoServer
-
     from ckptflow_testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-           "FSSPEC_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-    os.environ.update(env)
+    server, env = start_moto()
     import s3fs
 
     from mergecore import merge_checkpoint

@@ -7,6 +7,7 @@ ckptflow's own counters. In the processes of a Dask cluster: `client.run(count_s
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 
 FETCHED: collections.Counter = collections.Counter()  # object key -> bytes returned
@@ -41,3 +42,23 @@ def count_s3_reads() -> int:
 def s3_reads() -> tuple[int, dict[str, int], list[str]]:
     """(pid, {key: bytes}, [keys fetched whole]) counted so far in this process."""
     return os.getpid(), dict(FETCHED), list(WHOLE)
+
+
+@contextlib.contextmanager
+def counting():
+    """Count in this process while inside, from zero, then put s3fs back as it was; yields (FETCHED, WHOLE).
+
+    >>> with counting() as (fetched, whole):   # doctest: +SKIP
+    ...     merge_checkpoint("s3://ckpts/run1", "out")
+    """
+    import s3fs
+
+    saved = s3fs.S3FileSystem._cat_file, s3fs.S3FileSystem._get_file
+    FETCHED.clear()
+    WHOLE.clear()
+    count_s3_reads()
+    try:
+        yield FETCHED, WHOLE
+    finally:
+        s3fs.S3FileSystem._cat_file, s3fs.S3FileSystem._get_file = saved
+        s3fs.S3FileSystem.clear_instance_cache()

@@ -20,26 +20,12 @@ MANIFEST = "ckptflow_manifest.json"
 
 
 @pytest.fixture
-def s3_reads(monkeypatch):
+def s3_reads():
     """Bytes s3fs returned per object key, and the keys fetched whole (a GET without a range)."""
-    fetched, whole = collections.Counter(), []
-    ranged, downloaded = s3fs.S3FileSystem._cat_file, s3fs.S3FileSystem._get_file
+    from ckptflow_testing.s3_reads import counting
 
-    async def cat_file(self, path, version_id=None, start=None, end=None):
-        data = await ranged(self, path, version_id=version_id, start=start, end=end)
-        fetched[path.split("://")[-1]] += len(data)
-        if start in (None, 0) and end is None:
-            whole.append(path)
-        return data
-
-    async def get_file(self, rpath, lpath, **kwargs):
-        whole.append(rpath)
-        return await downloaded(self, rpath, lpath, **kwargs)
-
-    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", cat_file)
-    monkeypatch.setattr(s3fs.S3FileSystem, "_get_file", get_file)
-    s3fs.S3FileSystem.clear_instance_cache()  # instances bind their sync methods when made
-    return fetched, whole
+    with counting() as (fetched, whole):
+        yield fetched, whole
 
 
 def upload(fs, ckpt, prefix: str) -> str:
