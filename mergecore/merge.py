@@ -6,7 +6,6 @@ runs them in order for the direct CLI path.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -206,17 +205,13 @@ def merge_group(
         raise CheckpointError(f"group {group!r} is not in the plan (groups: {', '.join(plan.groups)})")
 
     def one(entry):
-        counts = None
-        for start, block in source.row_blocks(entry.name, entry.dtype, budget):
-            found = nonfinite_counts(block) if entry.dtype in FLOATING else None
-            if found and on_nonfinite == "fail":
-                raise nonfinite_error({entry.name: found}, source.location)
-            counts = add_counts(counts, found)
+        found: dict = {}
+        for start, block in checked_blocks(source, entry, budget, on_nonfinite, found):
             writer.write_rows(entry, start, block)
             del block  # the next block is read while this one would otherwise still be held
         if on_tensor:
             on_tensor(entry.name)
-        return entry.end - entry.begin, entry.name, counts
+        return entry.end - entry.begin, entry.name, found.get(entry.name)
 
     with TensorWriter(plan, staging) as writer, ThreadPoolExecutor(max(1, workers)) as pool:
         done = list(pool.map(one, planned))
@@ -224,6 +219,23 @@ def merge_group(
                "seconds": round(time.perf_counter() - started, 3)}
     nonfinite = {name: counts for _, name, counts in done if counts}
     return {**receipt, "nonfinite": nonfinite} if nonfinite else receipt
+
+
+def checked_blocks(source: CheckpointSource, entry, budget: int | None, on_nonfinite: str, found: dict):
+    """`source.row_blocks` of planned tensor `entry`, in order, each checked for NaN/Inf as converted (so fp16
+    overflow counts too): with `on_nonfinite="fail"` the first raises CheckpointError; otherwise the counts
+    add up in `found[entry.name]`.
+
+    >>> for start, block in checked_blocks(source, entry, 64 << 20, "warn", found): ...  # doctest: +SKIP
+    """
+    for start, block in source.row_blocks(entry.name, entry.dtype, budget):
+        counts = nonfinite_counts(block) if entry.dtype in FLOATING else None
+        if counts and on_nonfinite == "fail":
+            raise nonfinite_error({entry.name: counts}, source.location)
+        if counts:
+            found[entry.name] = add_counts(found.get(entry.name), counts)
+        yield start, block
+        del block  # not held while the next block is read
 
 
 def add_counts(total: dict[str, int] | None, more: dict[str, int] | None) -> dict[str, int] | None:

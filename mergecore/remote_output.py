@@ -175,8 +175,6 @@ def downloaded(target: str):
         yield folder
 
 
-
-
 def merge_to_remote(checkpoint: str, target: str, *, overwrite: bool = False, prepared=None, verify: bool = True,
                     workers: int = 2, on_group=None, on_tensor=None, checks=None, on_nonfinite: str = "warn",
                     chunk_bytes: int | str | None = None, **prepare_options) -> dict:

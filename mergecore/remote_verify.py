@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import posixpath
-from concurrent.futures import ThreadPoolExecutor
 
 from .errors import CheckpointError
 from .formats import CheckpointSource
-from .output import MANIFEST_FILE
+from .output import MANIFEST_FILE, sha256_file
 from .storage import Location, RangeFile
 from .tensorio import INDEX_FILES, WEIGHT_SUFFIXES, SafetensorsFile, _weight_map
-from .verify import file_changed, file_missing, load_manifest, tensors_differ
-
-HASH_BLOCK = 16 << 20
+from .verify import file_changed, file_missing, load_manifest, round_trip_pieces, tensors_differ
 
 
 def published_manifest(target: str | Location) -> dict:
@@ -128,7 +125,7 @@ def _verify_weight_file(location: Location, entry: dict, names: set[str] | None,
     if remote.size != entry["size"]:
         raise file_changed(location)
     remote.fetch([(0, remote.size)])
-    if _sha256(remote.path) != entry["sha256"]:
+    if sha256_file(remote.path) != entry["sha256"]:
         raise file_changed(location)
     if source is None:
         return 0
@@ -143,15 +140,5 @@ def _verify_weight_file(location: Location, entry: dict, names: set[str] | None,
                               "the folder was changed after it was written: merge again")
     if expected is not None and held != expected:
         raise tensors_differ(location.parent, held, expected)
-    checked = [name for name in source.tensors() if aliases.get(name, name) in held]
-    with ThreadPoolExecutor(max(1, workers)) as pool:
-        return sum(pool.map(lambda name: source.check_round_trip(name, weights.get_tensor(aliases.get(name, name))),
-                            checked))
+    return round_trip_pieces(source, weights.get_tensor, held, aliases, workers)
 
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(HASH_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()

@@ -13,16 +13,12 @@ write any file; nothing is assembled on local disk.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 
-from .arrays import FLOATING, nonfinite_counts
 from .errors import VerificationError
 from .formats import CheckpointSource
 from .plan import MergePlan
 from .storage import Location, RangeFile, _identity
-
-HASH_CHUNK = 16 << 20
 
 
 def write_remote_file(source: CheckpointSource, plan: MergePlan, file: str, target: str | Location, *,
@@ -67,30 +63,27 @@ def check_stored_file(source: CheckpointSource, plan: MergePlan, file: str, loca
     """Read the stored object back (into a sparse local file: one output file of local space at most) and prove
     it: the bytes hash to what was sent, the header names exactly the planned tensors, and every tensor (and each
     dropped alias it stands for) equals every rank's shard. Returns the number of pieces compared."""
+    from .output import sha256_file
     from .tensorio import SafetensorsFile
+    from .verify import round_trip_pieces
 
     copy = RangeFile(location, stored)
     copy.fetch([(0, copy.size)])
-    got = hashlib.sha256()
-    for start in range(0, copy.size, HASH_CHUNK):
-        got.update(os.pread(copy._fd, min(HASH_CHUNK, copy.size - start), start))
-    if got.hexdigest() != sha256:
+    if sha256_file(copy.path) != sha256:
         raise VerificationError(f"{location}: the stored object differs from the bytes sent (sha256); "
                                 "the storage changed it or another writer replaced it: merge again")
     weights = SafetensorsFile(copy.path)
-    names = [t.name for t in plan.in_file(file)]
-    if sorted(weights.keys()) != sorted(names):
-        raise VerificationError(f"{location}: holds {sorted(set(weights.keys()) ^ set(names))[:3]} beside or instead "
+    names = {t.name for t in plan.in_file(file)}
+    if set(weights.keys()) != names:
+        raise VerificationError(f"{location}: holds {sorted(set(weights.keys()) ^ names)[:3]} beside or instead "
                                 "of the planned tensors; merge again")
-    checked = names + [dropped for dropped, kept in plan.aliases.items() if kept in names]
-    return sum(source.check_round_trip(name, weights.get_tensor(plan.aliases.get(name, name))) for name in checked)
+    return round_trip_pieces(source, weights.get_tensor, names, plan.aliases)
 
 
 def _stream(source, plan, file, planned, out, sent, on_nonfinite, budget, on_tensor) -> tuple[int, dict]:
     """Write the header and then every planned tensor of `file`, in order, to `out`; returns (data bytes written,
     non-finite counts per tensor)."""
-    from .merge import add_counts
-    from .nonfinite import nonfinite_error
+    from .merge import checked_blocks
     from .writer import tensor_bytes
 
     nonfinite = {}
@@ -101,12 +94,7 @@ def _stream(source, plan, file, planned, out, sent, on_nonfinite, budget, on_ten
     for entry in planned:
         if entry.begin != position:
             raise AssertionError(f"{file}: the plan leaves bytes {position}..{entry.begin} unassigned")
-        counts = None
-        for _, block in source.row_blocks(entry.name, entry.dtype, budget):  # rows in order, so bytes in order
-            found = nonfinite_counts(block) if entry.dtype in FLOATING else None
-            if found and on_nonfinite == "fail":
-                raise nonfinite_error({entry.name: found}, source.location)
-            counts = add_counts(counts, found)
+        for _, block in checked_blocks(source, entry, budget, on_nonfinite, nonfinite):  # bytes in order
             data = tensor_bytes(block)
             out.write(data)
             sent.update(data)
@@ -114,8 +102,6 @@ def _stream(source, plan, file, planned, out, sent, on_nonfinite, budget, on_ten
             del block, data
         if position != entry.end:
             raise AssertionError(f"{entry.name}: wrote up to byte {position} of {file}, planned {entry.end}")
-        if counts:
-            nonfinite[entry.name] = counts
         if on_tensor:
             on_tensor(entry.name)
     return position, nonfinite

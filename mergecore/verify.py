@@ -33,12 +33,17 @@ def verify_round_trip(source: CheckpointSource, folder: Path, aliases: dict[str,
         if found != expected:
             raise tensors_differ(folder, found, expected)
 
-        def check(name: str) -> int:
-            return source.check_round_trip(name, weights.get(aliases.get(name, name)))
-
-        with ThreadPoolExecutor(max(1, workers)) as pool:
-            pieces = sum(pool.map(check, list(source.tensors())))
+        pieces = round_trip_pieces(source, weights.get, found, aliases, workers)
     return {"check": "round-trip", "tensors": len(source.tensors()), "pieces": pieces, "ok": True}
+
+
+def round_trip_pieces(source: CheckpointSource, get, held: set[str], aliases: dict[str, str], workers: int = 1) -> int:
+    """The round trip of every checkpoint tensor stored under a name in `held` (itself, or the output tensor its
+    alias names), each output tensor read with `get(name)`; returns the pieces compared. The one loop behind the
+    check of a folder, of a remote file being verified, and of a remote file just written."""
+    checked = [name for name in source.tensors() if aliases.get(name, name) in held]
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        return sum(pool.map(lambda name: source.check_round_trip(name, get(aliases.get(name, name))), checked))
 
 
 def verify_manifest(folder: Path, full: bool = True) -> dict:
