@@ -3,7 +3,7 @@
 A real FSDP2 checkpoint (W=2) is merged to moto in several weight files (`--shards`). Measured in one run,
 whole processes, medians of --repeat, alternating:
 - `ckptflow verify s3://...` (ranged reads, one weight file at a time, round trip against the local checkpoint);
-- the old way's shape: copy every file the manifest lists to a temporary folder (`remote_output.downloaded`),
+- the old way's shape: copy every file the manifest lists to a temporary folder (`RemoteTarget.local_copy`),
   then the local folder's checks (`flows.cli.verify_folder`).
 Peak local disk: the files in the run's scratch folder (temporary copies) plus the unlinked files the process
 still holds there (range files), sampled every few ms from /proc.
@@ -30,8 +30,8 @@ from moto_s3 import start_moto  # noqa: E402
 OLD_WAY = """
 import sys
 from flows.cli import verify_folder
-from mergecore.remote_output import downloaded
-with downloaded(sys.argv[1]) as folder:
+from mergecore import open_target
+with open_target(sys.argv[1]).local_copy() as folder:
     print([r["check"] for r in verify_folder(folder, False, None, None)])
 """
 

@@ -108,11 +108,10 @@ def write_lora_adapter(local_dir, target_dir, backend, role, hf_model_path, over
                        hf_upload_path):
     """Write the PEFT adapter folder when the LoRA output is `adapter` and return None; else the opened
     source, for the normal merge (opened once), with the LoRA output chosen put in `overrides`."""
-    from mergecore import open_checkpoint
-    from mergecore.lora import output_mode, write_adapter_folder
-    from mergecore.merge import check_target
+    from mergecore import open_checkpoint, open_target, write_adapter_folder
+    from mergecore.lora import output_mode
 
-    check_target(target_dir, overwrite)  # a non-empty target is refused before the checkpoint is read, as always
+    open_target(target_dir).check(overwrite, [local_dir])  # refused before the checkpoint is read, as always
     source = open_checkpoint(local_dir, role, backend, hf_model_path)
     mode = output_mode(source, requested, overrides.get("base_model"))
     if mode != "adapter":
@@ -138,16 +137,15 @@ def run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_sh
               overwrite, verify, check_replicas, workers, custom_mapping=None, on_nonfinite="warn", lora=None,
               source=None) -> dict:
     """Prepare, merge with a progress bar, verify and publish; returns the manifest."""
-    from mergecore import CheckpointError, merge_checkpoint, prepare
-    from mergecore.merge import check_target
+    from mergecore import CheckpointError, merge_checkpoint, open_target, prepare
 
-    check_target(target_dir, overwrite)
+    target = open_target(target_dir)
+    target.check(overwrite, [local_dir])  # refused before the checkpoint is read
     prepared = prepare(local_dir, role, backend, hf_model_path, dtype, max_shard_size, True if tie else None,
                        check_replicas, custom_mapping, source=source, lora=lora)
     check_value_model(is_value_model, prepared.config)
-    remote = check_target(target_dir, overwrite) is None  # object storage: written file by file
-    units = prepared.plan.files if remote else prepared.plan.groups
-    with _progress("files" if remote else "groups") as progress:
+    units = prepared.plan.files if target.unit == "files" else prepared.plan.groups
+    with _progress(target.unit) as progress:
         bar = progress.add_task("merging", total=len(units))
 
         def advanced(unit: str, receipt: dict) -> None:
@@ -155,7 +153,7 @@ def run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_sh
 
         try:
             manifest = merge_checkpoint(
-                local_dir, target_dir, overwrite=overwrite, verify=verify, workers=workers,
+                local_dir, target, overwrite=overwrite, verify=verify, workers=workers,
                 on_group=advanced, prepared=prepared, on_nonfinite=on_nonfinite,
             )
         except CheckpointError:
@@ -293,17 +291,16 @@ def verify(
     if not reference and (logits or trust_remote_code or atol is not None or rtol is not None):
         refuse("--logits, --trust-remote-code, --atol and --rtol apply to the comparison with a reference model: "
                "add --reference FOLDER")
-    from mergecore.storage import Location
+    from mergecore import open_target
+    from mergecore.targets import LocalTarget
 
-    location = Location.of(target)
-    if location.is_local:
-        results = verify_folder(Path(location.url), skip_source, custom_mapping, hf_model_path)
-    else:
-        results = verify_remote_folder(location.url, skip_source, custom_mapping, hf_model_path)
+    place = open_target(target)
+    if isinstance(place, LocalTarget):
+        results = verify_folder(place.path, skip_source, custom_mapping, hf_model_path)
+    else:  # file by file, by ranged reads: no whole local copy
+        results = verify_remote_folder(place.url, skip_source, custom_mapping, hf_model_path)
     if reference:
-        from mergecore.remote_output import downloaded
-
-        with downloaded(location.url) as folder:  # a remote model is compared from a local copy of its files
+        with place.local_copy() as folder:  # a remote model is compared from a local copy of its files
             results += reference_checks(folder, reference, trust_remote_code, logits, atol, rtol)
     print_checks(results)
 
@@ -324,9 +321,10 @@ def verify_folder(folder: Path, skip_source: bool, custom_mapping: Optional[str]
 def verify_remote_folder(target: str, skip_source: bool, custom_mapping: Optional[str],
                          hf_model_path: Optional[str]) -> list:
     """`verify_folder` for a model on object storage: file by file, by ranged reads, no whole local copy."""
-    from mergecore.remote_verify import published_manifest, verify_remote
+    from mergecore import open_target
+    from mergecore.remote_verify import verify_remote
 
-    manifest = published_manifest(target)
+    manifest = open_target(target).require_manifest()
     source = None if skip_source else merged_source(manifest, custom_mapping, hf_model_path)
     return verify_remote(target, source, manifest)
 
@@ -427,7 +425,7 @@ def promote(
     (pushed inside the same repo)."""
     from flows.engines import check_engine_options
     from flows.run import run_promotion
-    from mergecore.remote_output import is_remote
+    from mergecore import open_target
 
     if not hub_repo and (revision or tag or hub_token_secret):
         refuse("--revision, --tag and --hub-token-secret only apply with --hub-repo ORG/NAME")
@@ -445,7 +443,7 @@ def promote(
     warn_nonfinite(result.get("nonfinite", {}))
     print_checks(result["checks"])
     cached = result["cached_groups"]
-    unit = "files" if is_remote(target) else "groups"  # object storage is written file by file
+    unit = open_target(target).unit  # object storage is written file by file
     out.print(f"verified model: {result['target']}" + (f" ({len(cached)} {unit} reused from cache)" if cached else ""),
               highlight=False, soft_wrap=True)
     if "hub" in result:

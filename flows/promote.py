@@ -19,8 +19,8 @@ from prefect.utilities.annotations import quote
 
 from mergecore.nonfinite import check_nonfinite_policy, nonfinite_found
 from mergecore.output import BackgroundHashes
-from mergecore.remote_output import is_remote
 from mergecore.storage import Location
+from mergecore.targets import open_target
 from tasks import (discover_shards, finalize_model, merge_file, merge_group, plan_groups, prepare_staging, push_to_hub,
                    run_equivalence_tests, validate_metadata)
 from tasks.caching import group_cache_policy, merge_file_key, results_folder
@@ -34,17 +34,26 @@ from .reports import equivalence_rows, merge_report
 @flow(name="merge-checkpoint", task_runner=group_task_runner("threads"))
 def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False, reference: str | None = None,
                      trust_remote_code: bool = False) -> dict:
-    """Checkpoint -> verified Hugging Face folder at `target`; groups are cached across runs."""
+    """Checkpoint -> verified Hugging Face folder at `target`; groups are cached across runs. The run holds the
+    target's lock from staging to publish (its tasks, here or on Dask workers, write under it)."""
     source = discover_shards(ref)
     validate_metadata(ref)
     plan = plan_groups(ref)
-    plan_as_is = as_is(plan)
+    place = open_target(target)
+    with place.lock():
+        return merge_under_lock(ref, place, source, plan, overwrite, reference, trust_remote_code)
+
+
+def merge_under_lock(ref: CheckpointRef, place, source: dict, plan, overwrite: bool, reference: str | None,
+                     trust_remote_code: bool) -> dict:
+    """The rest of `merge_checkpoint`: stage, merge the target's units (layer groups into a folder's staged
+    files; whole files, each written by one task, on object storage), finalize."""
+    target, plan_as_is = place.url, as_is(plan)
     staged = prepare_staging(ref, target, overwrite)
-    remote = is_remote(target)  # object storage: whole files, each written by one task (merge_file)
-    units = plan.files if remote else plan.groups
-    if staged["published"]:  # a rerun after success: the target holds every group
+    units = plan.files if place.unit == "files" else plan.groups
+    if staged["published"]:  # a rerun after success: the target holds every unit
         futures = {}
-    elif remote:
+    elif place.unit == "files":
         merge = merge_file.with_options(cache_policy=group_cache_policy(target, merge_file_key),
                                         result_storage=results_folder(target))
         futures = {merge.with_options(refresh_cache=file in staged["created"]).submit(
@@ -54,12 +63,10 @@ def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False, r
         rewritten = {g for g in plan.groups if any(t.file in staged["created"] for t in plan.in_group(g))}
         futures = {merge.with_options(refresh_cache=group in rewritten).submit(ref, plan_as_is, group, staged["staging"]):
                    group for group in largest_first(plan, units)}
-    hashing = nullcontext() if remote else BackgroundHashes(Path(staged["staging"]))  # sha256 as far as written
-    with GroupProgress(len(futures), f"{'files' if remote else 'groups'} merged into {target}") as progress, \
-            hashing as hashes:
+    hashing = BackgroundHashes(Path(staged["staging"])) if place.unit == "groups" else nullcontext()  # sha256 as written
+    with GroupProgress(len(futures), f"{place.unit} merged into {target}") as progress, hashing as hashes:
         states, receipts = finished_groups(futures, units, plan, progress, hashes)
-        manifest = finalize_model(ref, staged["staging"], target, overwrite, receipts, hashes, reference,
-                                  trust_remote_code)
+        manifest = finalize_model(ref, staged, target, overwrite, receipts, hashes, reference, trust_remote_code)
     cached = [u for u in units if not futures or states[u].name == "Cached"]  # reused: all of them
     written = receipts if futures else manifest.get("groups_written", [])  # reused: as the run that wrote them
     create_markdown_artifact(merge_report(source, plan, written, cached, manifest), key="merge-report",

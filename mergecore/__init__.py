@@ -15,14 +15,15 @@ import importlib
 from .errors import CheckpointError, VerificationError
 
 _WHERE = {
-    "open_checkpoint": "formats", "MergePlan": "plan",
-    **{name: "merge" for name in ("Prepared", "finalize", "merge_checkpoint", "merge_group", "prepare", "staging_folder")},
+    "open_checkpoint": "formats", "MergePlan": "plan", "open_target": "targets",
+    "merge_checkpoint": "api", "write_adapter_folder": "api",
+    **{name: "merge" for name in ("Prepared", "merge_group", "prepare")},
     **{name: "verify" for name in ("compare_logits", "compare_with_reference", "verify_manifest", "verify_round_trip")},
 }
 
 __all__ = [
-    "CheckpointError", "VerificationError", "MergePlan", "Prepared", "open_checkpoint", "prepare",
-    "merge_group", "finalize", "merge_checkpoint", "staging_folder", "verify_round_trip",
+    "CheckpointError", "VerificationError", "MergePlan", "Prepared", "open_checkpoint", "open_target", "prepare",
+    "merge_group", "merge_checkpoint", "write_adapter_folder", "verify_round_trip",
     "verify_manifest", "compare_with_reference", "compare_logits",
 ]
 

@@ -11,6 +11,9 @@ tensors, the unbounded path).
 from __future__ import annotations
 
 import os
+import re
+
+from .errors import CheckpointError
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 # A block lives beside one temporary of at most its size (a piece's rows cast to the output dtype).
@@ -19,9 +22,6 @@ _COPIES_PER_BLOCK = 2
 
 def chunk_bytes(value: int | str | None = None) -> int:
     """The budget in bytes: `value` when given, else `CKPTFLOW_CHUNK_BYTES`, else 64 MiB; 0 means unbounded."""
-    from .errors import CheckpointError
-    from .plan import parse_size
-
     raw = value if value is not None else os.environ.get("CKPTFLOW_CHUNK_BYTES", DEFAULT_CHUNK_BYTES)
     try:
         return parse_size(raw)
@@ -50,3 +50,14 @@ def row_spans(shape: tuple[int, ...], itemsize: int, budget: int | None):
     total = shape[0] if shape else 1
     rows = rows_per_block(shape, itemsize, budget) or max(1, total)
     return ((start, min(start + rows, total)) for start in range(0, total, rows))
+
+
+def parse_size(text: str | int) -> int:
+    """`"5GB"` -> 5_000_000_000; `"500MiB"` -> 524_288_000; plain integers are bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", text.upper())
+    if not match:
+        raise CheckpointError(f"--max-shard-size {text!r} is not a size; write it like 5GB or 500MB")
+    base = 1024 if match[3] else 1000
+    return int(float(match[1]) * base ** " KMGT".index(match[2] or " "))

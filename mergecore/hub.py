@@ -35,12 +35,11 @@ def push_folder(
     >>> push_folder("out/model", "org/model", revision="step-100")  # doctest: +SKIP
     {'repo_id': 'org/model', 'revision': 'step-100', 'commit': '3f2a...', 'new_commit': True, ...}
     """
-    from .storage import Location
+    from .targets import LocalTarget, open_target
 
-    if not Location.of(folder).is_local:  # a model on object storage is pushed from a local copy of its files
-        from .remote_output import downloaded
-
-        with downloaded(str(folder)) as local:
+    target = open_target(folder)
+    if not isinstance(target, LocalTarget):  # a model on object storage is pushed from a local copy of its files
+        with target.local_copy() as local:
             return push_folder(local, repo_id, revision=revision, private=private, token=token, tag=tag,
                                commit_message=commit_message)
     import httpx2

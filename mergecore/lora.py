@@ -418,34 +418,15 @@ def write_adapter_files(inner: CheckpointSource, hyper: LoraHyperparameters, fol
     return {"tensors": len(saved), "pieces": pieces}
 
 
-def write_adapter_folder(source: CheckpointSource, target, overwrite: bool = False, overrides: dict | None = None,
-                         base_model: str | None = None) -> dict:
-    """Write the adapter of a LoRA checkpoint (full or save_lora_only) as a PEFT folder at `target`, checked
-    piece by piece and published atomically. Returns a small report.
-
-    >>> write_adapter_folder(open_checkpoint("ckpts/run1"), "out/adapter")  # doctest: +SKIP
-    {'adapter': 'out/adapter', 'tensors': 8, 'pieces': 16, 'r': 8, 'alpha': 16.0}
-    """
-    import shutil
-
-    from .merge import check_target, staging_folder
-    from .publish import publish
-
+def adapter_of(source: CheckpointSource, overrides: dict | None = None):
+    """(the checkpoint holding the adapter, its hyperparameters) of a LoRA checkpoint, full or save_lora_only,
+    validated; refuses without alpha, before anything is written."""
     fused = fused_lora(source)
     inner = fused.inner if fused is not None else source
     hyper = read_hyperparameters(inner, inner.tensors(), overrides)
-    hyper.scale  # noqa: B018  (refuses without alpha, before anything is written)
+    hyper.scale  # noqa: B018  (refuses without alpha)
     inner.validate()
-    target_path = check_target(target, overwrite)
-    staging = staging_folder(target_path)
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        written = write_adapter_files(inner, hyper, staging, base_model)
-        publish(staging, target_path, overwrite)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return {"adapter": str(target_path), **written, "r": hyper.r, "alpha": hyper.alpha}
+    return inner, hyper
 
 
 def write_adapter_beside(source: CheckpointSource, folder) -> list[str]:

@@ -1,7 +1,7 @@
-"""Merging, step by step: prepare (discover, validate, plan) -> merge groups -> finalize.
+"""The merge engine, step by step: prepare (discover, validate, plan) -> merge one group -> finish the folder.
 
-Each step is one function so a pipeline can run them as separate tasks; `merge_checkpoint`
-runs them in order for the direct CLI path.
+Each step is one function so a pipeline can run them as separate tasks; where the output goes (staging, lock,
+publish) is the target's business (`mergecore.targets`), and `mergecore.api.merge_checkpoint` runs it all in order.
 """
 
 from __future__ import annotations
@@ -12,17 +12,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .arrays import FLOATING, bitwise_equal, nonfinite_counts
+from .arrays import bitwise_equal
+from .budget import parse_size
 from .dtypes import resolve_dtype
 from .errors import CheckpointError
 from .formats import CheckpointSource, open_checkpoint
 from .formats.base import read_hf_config
-from .lora import lora_view, write_adapter_beside
 from .layout import EMBEDDING, OUTPUT, check_against_config, tied_embeddings
-from .nonfinite import check_nonfinite_policy, nonfinite_error
-from .plan import MergePlan, make_plan, parse_size
-from .storage import Location
-from .writer import PARTIAL_SUFFIX, TensorWriter, prepare_files, room_checked
+from .lora import lora_view, write_adapter_beside
+from .nonfinite import check_nonfinite_policy, checked_blocks
+from .plan import MergePlan, make_plan
+from .writer import TensorWriter
+
 
 class Stopwatch:
     """Seconds per phase, for reports: `lap("merge")` records the time since the previous lap."""
@@ -130,52 +131,6 @@ def prepare(
     return Prepared(source, config, plan, options)
 
 
-def staging_folder(target: str | Path) -> Path:
-    """Where output is assembled before it is published by rename: beside the target, hidden.
-
-    Its name is fixed per target so an interrupted run can resume into it.
-    """
-    target = Path(target).absolute()
-    return target.parent / f".{target.name}{PARTIAL_SUFFIX}"
-
-
-def check_target(target: str | Path, overwrite: bool) -> Path | None:
-    """The target as a local path, after repairing what a crash during an earlier publish left there
-    (a remote target is only checked: None)."""
-    from .publish import repair_target
-
-    location = Location.of(target)
-    if not location.is_local:
-        from .remote_output import check_remote_target
-
-        check_remote_target(location, overwrite)
-        return None
-    path = Path(location.url)
-    repair_target(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
-        raise CheckpointError(f"{path}: already exists and is not empty; pass --overwrite or choose another --target_dir")
-    return path
-
-
-def stage(prepared: Prepared, target: str | Path, overwrite: bool) -> dict:
-    """Where a merge into `target` writes: `published` when the target already holds this very merge
-    (nothing to write); else the staging folder, prepared, with the files created anew (their groups must
-    be written; files kept from an interrupted run keep theirs). A different non-empty target needs `overwrite`.
-    """
-    from .writer import prepare_files
-
-    if not Location.of(target).is_local:  # written file by file at the target itself (remote_output)
-        from .remote_output import stage_remote
-
-        return stage_remote(prepared, str(target), overwrite)
-    target_path = check_target(target, overwrite=True)  # repairs first; whether it may be replaced comes next
-    staging = staging_folder(target_path)
-    if published_manifest(target_path, prepared):
-        return {"staging": str(staging), "created": [], "published": True}
-    check_target(target_path, overwrite)
-    return {"staging": str(staging), "created": prepare_files(prepared.plan, staging), "published": False}
-
-
 def merge_group(
     source: CheckpointSource,
     plan: MergePlan,
@@ -221,182 +176,41 @@ def merge_group(
     return {**receipt, "nonfinite": nonfinite} if nonfinite else receipt
 
 
-def checked_blocks(source: CheckpointSource, entry, budget: int | None, on_nonfinite: str, found: dict):
-    """`source.row_blocks` of planned tensor `entry`, in order, each checked for NaN/Inf as converted (so fp16
-    overflow counts too): with `on_nonfinite="fail"` the first raises CheckpointError; otherwise the counts
-    add up in `found[entry.name]`.
+def describe_folder(prepared: Prepared, folder: Path) -> list[str]:
+    """Write what a model holds beside its weights and card into `folder` — index, config, the files copied from
+    huggingface/, a LoRA merge's lora_adapter/ (checked as written) — and return their names."""
+    from .output import write_descriptive_files
 
-    >>> for start, block in checked_blocks(source, entry, 64 << 20, "warn", found): ...  # doctest: +SKIP
-    """
-    for start, block in source.row_blocks(entry.name, entry.dtype, budget):
-        counts = nonfinite_counts(block) if entry.dtype in FLOATING else None
-        if counts and on_nonfinite == "fail":
-            raise nonfinite_error({entry.name: counts}, source.location)
-        if counts:
-            found[entry.name] = add_counts(found.get(entry.name), counts)
-        yield start, block
-        del block  # not held while the next block is read
+    descriptive = write_descriptive_files(prepared.source, prepared.config, prepared.plan, folder)
+    return descriptive + write_adapter_beside(prepared.source, folder)
 
 
-def add_counts(total: dict[str, int] | None, more: dict[str, int] | None) -> dict[str, int] | None:
-    """Non-finite counts of two row blocks together (None: all finite)."""
-    if not (total and more):
-        return total or more
-    return {kind: total[kind] + more[kind] for kind in total}
-
-
-def finalize(
+def finish_folder(
     prepared: Prepared,
-    staging: Path,
-    target: Path,
-    overwrite: bool,
-    verify: bool = True,
-    workers: int = 2,
+    folder: Path,
+    descriptive: list[str],
+    results: list[dict],
     extra: dict | None = None,
-    hashes=None,
+    known: dict[str, str] | None = None,
+    stored: dict[str, dict] | None = None,
     checks: Callable[[Path], list[dict]] | None = None,
 ) -> dict:
-    """Prove the staging folder equals the shards, write index, config, copied files, card and manifest,
-    and publish atomically. `checks(folder)` adds checks of the finished folder (a reference model's
-    tensors and logits), run before anything is published and recorded in the manifest and card.
+    """Card and manifest of the described `folder` (`describe_folder`), once `checks(folder)` (a reference model's
+    tensors and logits) passed; `results` are the checks already made (the round trip). Returns the manifest.
 
-    The published folder holds exactly the planned weight files, the index, the copied metadata, the
-    card and the manifest. Nothing reaches `target` unless every check passed (when `verify`).
+    `known`: sha256 digests already computed; `stored`: entries of weight files that live elsewhere (object storage).
     """
     from .fingerprints import metadata_id, weights_id
-    from .output import BackgroundHashes, clear_strays, write_descriptive_files, write_manifest
-    from .publish import publish, start_writeback
-    from .verify import verify_round_trip
+    from .output import write_manifest
 
-    plan = prepared.plan
-    clock = Stopwatch()
-    clear_strays(staging, set(plan.files))
-    hashes = hashes or BackgroundHashes(staging)  # may already be through the groups merged so far
-    hashes.start(plan.files)  # finishes while the round-trip check runs
-    descriptive = write_descriptive_files(prepared.source, prepared.config, plan, staging)
-    descriptive += write_adapter_beside(prepared.source, staging)  # a LoRA merge's lora_adapter/, checked as written
-    start_writeback([staging / file for file in plan.files])  # to disk while the checks run; publish fsyncs
-    results = [verify_round_trip(prepared.source, staging, plan.aliases, workers)] if verify else []
-    results += checks(staging) if checks else []
-    clock.lap("verify")
-    extra = dict(extra or {})
-    extra["timings"] = {**extra.get("timings", {}), **clock.laps}
-    extra.update(source={**prepared.source.describe(), "options": prepared.options},
-                 weights_id=weights_id(prepared.source, plan),
-                 metadata_id=metadata_id(prepared.source, prepared.config), verification=results)
-    manifest = write_manifest(prepared.source, prepared.config, plan, staging, descriptive, extra, hashes.digests())
-    publish(staging, target, overwrite)
-    return manifest
-
-
-def published_manifest(target: Path, prepared: Prepared) -> dict | None:
-    """The manifest of `target` if its weight files are exactly this merge's (same inputs, plan, code)."""
-    from .fingerprints import weights_id
-    from .output import MANIFEST_FILE
-    from .tensorio import read_json
-
-    manifest_file = Path(target) / MANIFEST_FILE
-    if not manifest_file.exists():
-        return None
-    manifest = read_json(manifest_file)
-    return manifest if manifest.get("weights_id") == weights_id(prepared.source, prepared.plan) else None
-
-
-def refresh_published(prepared: Prepared, target: Path, verify: bool = True, workers: int = 2,
-                      checks: Callable[[Path], list[dict]] | None = None) -> dict:
-    """Reuse the weights already published at `target`; rewrite config, tokenizer files, card and manifest
-    if they changed.
-
-    The weight files are hard-linked into a new staging folder (never written), so the swap is atomic.
-    """
-    import os
-    import shutil
-
-    from .fingerprints import metadata_id
-
-    manifest = published_manifest(target, prepared)
-    if manifest is None:
-        raise CheckpointError(f"{target}: does not hold this checkpoint's merge; rerun with overwrite to rebuild it")
-    if manifest.get("metadata_id") == metadata_id(prepared.source, prepared.config):
-        return {**manifest, "reused": True}
-    staging = staging_folder(target)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    for file in prepared.plan.files:
-        os.link(Path(target) / file, staging / file)
-    return finalize(prepared, staging, Path(target), overwrite=True, verify=verify, workers=workers,
-                    extra={"groups_written": manifest.get("groups_written", [])}, checks=checks)
+    results = [*results, *(checks(folder) if checks else [])]
+    extra = {**(extra or {}), "source": {**prepared.source.describe(), "options": prepared.options},
+             "weights_id": weights_id(prepared.source, prepared.plan),
+             "metadata_id": metadata_id(prepared.source, prepared.config), "verification": results}
+    return write_manifest(prepared.source, prepared.config, prepared.plan, folder, descriptive, extra, known, stored)
 
 
 def metadata_bytes(source: CheckpointSource) -> int:
     """Room for everything but the weights: the huggingface/ files (copied, or rewritten like config.json)
     plus 1 MiB for the index and the manifest."""
     return sum(int(source.hf_dir.join(name).info().get("size") or 0) for name in source.hf_dir.listdir()) + (1 << 20)
-
-
-def merge_checkpoint(
-    checkpoint: str,
-    target: str | Path,
-    *,
-    role: str = "actor",
-    backend: str = "auto",
-    hf_dir: str | None = None,
-    dtype: str = "auto",
-    max_shard_size: str | int = "5GB",
-    tie_word_embedding: bool | None = None,
-    overwrite: bool = False,
-    verify: bool = True,
-    check_replicas: bool = False,
-    workers: int = 2,
-    on_group: Callable[[str, dict], None] | None = None,
-    on_tensor: Callable[[str], None] | None = None,
-    prepared: Prepared | None = None,
-    checks: Callable[[Path], list[dict]] | None = None,
-    on_nonfinite: str = "warn",
-    chunk_bytes: int | str | None = None,
-) -> dict:
-    """Merge a checkpoint into a verified Hugging Face folder at `target`, published atomically.
-    `chunk_bytes`: the memory budget per worker (see `merge_group`).
-
-    >>> manifest = merge_checkpoint("ckpts/run1", "out/model", dtype="bf16")  # doctest: +SKIP
-    >>> manifest["verification"][0]["ok"]                                      # doctest: +SKIP
-    True
-
-    A remote `target` (`s3://...`) is published by writing its manifest last: see `remote_output`.
-    """
-    if not Location.of(target).is_local:
-        from .remote_output import merge_to_remote
-
-        return merge_to_remote(checkpoint, str(target), overwrite=overwrite, prepared=prepared, role=role,
-                               backend=backend, hf_dir=hf_dir, dtype=dtype, max_shard_size=max_shard_size,
-                               tie_word_embedding=tie_word_embedding, check_replicas=check_replicas, verify=verify,
-                               workers=workers, on_group=on_group, on_tensor=on_tensor, checks=checks,
-                               on_nonfinite=on_nonfinite, chunk_bytes=chunk_bytes)
-    target_path = check_target(target, overwrite)
-    check_nonfinite_policy(on_nonfinite)
-    clock = Stopwatch()
-    prepared = prepared or prepare(checkpoint, role, backend, hf_dir, dtype, max_shard_size, tie_word_embedding, check_replicas)
-    clock.lap("prepare")
-    staging = staging_folder(target_path)
-    from .output import BackgroundHashes
-
-    plan = prepared.plan
-    try:
-        with BackgroundHashes(staging) as hashes:
-            prepare_files(plan, staging, metadata_bytes(prepared.source))
-            receipts = []
-            for group in plan.groups:
-                receipts.append(merge_group(prepared.source, plan, group, staging, workers, on_tensor, on_nonfinite,
-                                            chunk_bytes))
-                hashes.start_written(plan, {r["group"] for r in receipts})  # files hash as far as they are written
-                if on_group:
-                    on_group(group, receipts[-1])
-            clock.lap("merge")
-            extra = {"groups_written": receipts, "timings": clock.laps}
-            with room_checked(staging):  # index, config, copied files and manifest
-                return finalize(prepared, staging, target_path, overwrite, verify, workers, extra, hashes, checks)
-    except BaseException:
-        import shutil
-
-        shutil.rmtree(staging, ignore_errors=True)
-        raise

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from .arrays import FLOATING, nonfinite_counts
 from .errors import CheckpointError
 
 NONFINITE_POLICIES = ("fail", "warn")
@@ -36,3 +37,27 @@ def describe_counts(counts: dict[str, int]) -> str:
 def nonfinite_found(receipts: list[dict]) -> dict[str, dict[str, int]]:
     """{tensor: counts} over the receipts of merge_group (fresh or cached), in plan order."""
     return {name: counts for receipt in receipts for name, counts in receipt.get("nonfinite", {}).items()}
+
+
+def checked_blocks(source, entry, budget: int | None, on_nonfinite: str, found: dict):
+    """`source.row_blocks` of planned tensor `entry`, in order, each checked for NaN/Inf as converted (so fp16
+    overflow counts too): with `on_nonfinite="fail"` the first raises CheckpointError; otherwise the counts
+    add up in `found[entry.name]`.
+
+    >>> for start, block in checked_blocks(source, entry, 64 << 20, "warn", found): ...  # doctest: +SKIP
+    """
+    for start, block in source.row_blocks(entry.name, entry.dtype, budget):
+        counts = nonfinite_counts(block) if entry.dtype in FLOATING else None
+        if counts and on_nonfinite == "fail":
+            raise nonfinite_error({entry.name: counts}, source.location)
+        if counts:
+            found[entry.name] = add_counts(found.get(entry.name), counts)
+        yield start, block
+        del block  # not held while the next block is read
+
+
+def add_counts(total: dict[str, int] | None, more: dict[str, int] | None) -> dict[str, int] | None:
+    """Non-finite counts of two row blocks together (None: all finite)."""
+    if not (total and more):
+        return total or more
+    return {kind: total[kind] + more[kind] for kind in total}

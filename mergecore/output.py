@@ -1,4 +1,5 @@
-"""Finish a merged folder: index, config, tokenizer and friends, manifest; then publish by rename."""
+"""What a merged folder holds beside its weights: index, config, tokenizer and friends, card and manifest (and the
+background hashing of the weights). Publishing is the target's (`targets/`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from .formats import CheckpointSource
 from .plan import INDEX_FILE, MergePlan
 
 MANIFEST_FILE = "ckptflow_manifest.json"
+STAGING_MARKER = ".ckptflow-staging"  # in a staging folder ckptflow made (targets/local.py); never published
 # Weight files in huggingface/ describe the base model, not the trained one: never copied. Nor is its model
 # card: the folder gets its own (card.py).
 _NOT_COPIED = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".msgpack", ".h5")
@@ -172,7 +174,7 @@ def clear_strays(folder: Path, keep: set[str]) -> None:
     """Remove every entry of `folder` not named in `keep`: a staging folder publishes exactly what was planned
     (leftovers of a killed run with another shard size, files someone put there)."""
     for entry in folder.iterdir():
-        if entry.name not in keep:
+        if entry.name not in keep and entry.name != STAGING_MARKER:
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
 
@@ -204,7 +206,8 @@ def write_manifest(source: CheckpointSource, config: dict, plan: MergePlan, fold
     stored = stored or {}
     (folder / CARD_FILE).write_text(model_card(manifest, config, manifest.get("verification", [])))
     files = sorted({*plan.files, *descriptive, CARD_FILE})
-    present = sorted({*stored, *(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())})
+    present = sorted({*stored, *(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                                 if not p.is_dir() and p.name != STAGING_MARKER)})
     if present != files:  # lora_adapter/ files count too
         raise VerificationError(f"{folder}: holds {sorted(set(present) ^ set(files))} beside or instead of the planned "
                                 "files; nothing was published: merge again")

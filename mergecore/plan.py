@@ -8,11 +8,10 @@ The plan is plain data (JSON round-trips), so it can be handed to pipeline tasks
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field
 
 from .arrays import FLOATING, element_size, safetensors_dtype
-from .errors import CheckpointError
+
 from .formats.base import TensorInfo
 from .layout import EMBEDDING, OUTPUT, group_of
 
@@ -72,17 +71,6 @@ class MergePlan:
         data = json.loads(text)
         data["tensors"] = [PlannedTensor(**{**t, "shape": tuple(t["shape"])}) for t in data["tensors"]]
         return MergePlan(**data)
-
-
-def parse_size(text: str | int) -> int:
-    """`"5GB"` -> 5_000_000_000; `"500MiB"` -> 524_288_000; plain integers are bytes."""
-    if isinstance(text, int):
-        return text
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", text.upper())
-    if not match:
-        raise CheckpointError(f"--max-shard-size {text!r} is not a size; write it like 5GB or 500MB")
-    base = 1024 if match[3] else 1000
-    return int(float(match[1]) * base ** " KMGT".index(match[2] or " "))
 
 
 def make_plan(

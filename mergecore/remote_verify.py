@@ -24,17 +24,9 @@ from .errors import CheckpointError
 from .formats import CheckpointSource
 from .output import MANIFEST_FILE, sha256_file
 from .storage import Location, RangeFile
+from .targets import open_target
 from .tensorio import INDEX_FILES, WEIGHT_SUFFIXES, SafetensorsFile, _weight_map
-from .verify import file_changed, file_missing, load_manifest, round_trip_pieces, tensors_differ
-
-
-def published_manifest(target: str | Location) -> dict:
-    """The manifest of the model published at `target`; a folder without one is not a model and is refused."""
-    location = Location.of(target)
-    if not location.join(MANIFEST_FILE).exists():
-        raise CheckpointError(f"{location}: holds no {MANIFEST_FILE}, so no published model (an interrupted or "
-                              "ongoing merge); merge it again")
-    return load_manifest(location)
+from .verify import file_changed, file_missing, round_trip_pieces, tensors_differ
 
 
 def verify_remote(target: str | Location, source: CheckpointSource | None = None, manifest: dict | None = None,
@@ -43,7 +35,7 @@ def verify_remote(target: str | Location, source: CheckpointSource | None = None
     (the checkpoint it was merged from, as merged: `merge.merge_view`) is given. Raises the same one-line
     errors as the local checks, naming the object's URL."""
     location = Location.of(target)
-    manifest = manifest or published_manifest(location)
+    manifest = manifest or open_target(location).require_manifest()
     files: dict[str, dict] = manifest["files"]
     weight_files = sorted(name for name in files if "/" not in name and name.endswith(WEIGHT_SUFFIXES))
     small = {name: _read_checked(location.join(name), entry)

@@ -83,7 +83,7 @@ def check_stored_file(source: CheckpointSource, plan: MergePlan, file: str, loca
 def _stream(source, plan, file, planned, out, sent, on_nonfinite, budget, on_tensor) -> tuple[int, dict]:
     """Write the header and then every planned tensor of `file`, in order, to `out`; returns (data bytes written,
     non-finite counts per tensor)."""
-    from .merge import checked_blocks
+    from .nonfinite import checked_blocks
     from .writer import tensor_bytes
 
     nonfinite = {}

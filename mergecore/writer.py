@@ -83,15 +83,12 @@ def prepare_files(plan: MergePlan, folder: Path, metadata_bytes: int = METADATA_
     """Create each output file with its header and full size; keep files already prepared.
 
     A file is kept when its size and header match the plan, so a resumed merge keeps the
-    groups it already wrote; anything else in the folder goes. A folder holding a manifest is a
-    finished model (one a crash left before or after its swap into place) and is never resumed.
-    Returns the files (re)created, whose groups must be written anew.
+    groups it already wrote; anything else in the folder goes (`targets.LocalTarget.open_staging` has already
+    set aside a finished model a crash left under the staging name). Returns the files (re)created, whose groups must be written anew.
     Refuses first, writing nothing, when the files to create and `metadata_bytes` exceed the free space.
     """
-    from .output import MANIFEST_FILE, clear_strays
+    from .output import clear_strays
 
-    if (folder / MANIFEST_FILE).exists():
-        shutil.rmtree(folder)
     if folder.exists():
         clear_strays(folder, set(plan.files))
     stale = [file for file in plan.files if not _prepared(folder / file, plan.header(file), plan.file_size(file))]

@@ -23,13 +23,9 @@ def results_folder(target: str) -> Path:
     configured = os.environ.get("CKPTFLOW_RESULTS")
     if configured:
         return Path(configured).expanduser().absolute()
-    from mergecore.remote_output import is_remote, local_state_folder
+    from mergecore.targets import open_target
 
-    if is_remote(target):  # a local folder named after the URL
-        state = local_state_folder(target)
-        return state.parent / f".{state.name}.ckptflow-results"
-    target_path = Path(target).absolute()
-    return target_path.parent / f".{target_path.name}.ckptflow-results"
+    return open_target(target).results_folder
 
 
 def merge_group_key(context, parameters: dict) -> str:

@@ -7,10 +7,8 @@ from prefect.cache_policies import NO_CACHE
 
 from mergecore import MergePlan
 from mergecore.fingerprints import input_fingerprints
-from mergecore.merge import stage
+from mergecore.targets import open_target
 
-from .caching import results_folder
-from .locks import PUBLISH_LOCK, exclusive
 from .sources import CheckpointRef, prepared_for, source_for
 
 
@@ -37,11 +35,11 @@ def plan_groups(ref: CheckpointRef) -> MergePlan:
 
 @task(name="prepare_staging", cache_policy=NO_CACHE)
 def prepare_staging(ref: CheckpointRef, target: str, overwrite: bool) -> dict:
-    """Pre-size the output files beside the target; files kept from an interrupted run are reused.
-    `published`: the target already holds this merge, so nothing is staged.
+    """Pre-size the output files beside the target (object storage: list the files to write); files kept from an
+    interrupted run are reused. `published`: the target already holds this merge, so nothing is staged.
 
-    Under the target's publish lock: a concurrent run is never half-way through publishing the folder
-    this one prepares.
+    Under the target's lock (the flow holds it from here to the publish; re-entrant in this process).
     """
-    with exclusive(results_folder(target) / "locks", PUBLISH_LOCK):
-        return stage(prepared_for(ref), target, overwrite)
+    target = open_target(target)
+    with target.lock():
+        return target.stage(prepared_for(ref), overwrite, sources=[ref.checkpoint])

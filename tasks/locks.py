@@ -15,19 +15,16 @@ shared file systems that support it (NFSv4, Lustre with flock enabled).
 
 from __future__ import annotations
 
-import fcntl
-import os
 import threading
 import time
-import uuid
-from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
 from prefect.locking.protocol import LockManager
 
+from mergecore.targets.lock import release_flock, try_flock
+
 POLL_SECONDS = 0.05
-PUBLISH_LOCK = "publish"  # a target's staging folder is prepared and published by one run at a time
 
 
 class FlockLockManager(LockManager):
@@ -96,44 +93,11 @@ class FlockLockManager(LockManager):
     def _lock_file(self, key: str) -> int | None:
         """A descriptor holding `key`'s flock, or None while someone else holds it."""
         self.lock_files_directory.mkdir(parents=True, exist_ok=True)
-        path = self._path(key)
-        while True:
-            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(descriptor)
-                return None
-            if _same_file(descriptor, path):  # else its last holder removed it after we opened it
-                return descriptor
-            os.close(descriptor)
+        return try_flock(self._path(key), key)
 
     def _remove_and_unlock(self, key: str, descriptor: int) -> None:
         """Remove the file while still holding it (no litter), then let go."""
-        self._path(key).unlink(missing_ok=True)
-        os.close(descriptor)
-
-
-@contextmanager
-def exclusive(lock_files_directory: Path, key: str):
-    """Hold `key`'s lock for a `with` block, waiting for it: e.g. one run at a time publishes a target.
-
-    >>> with exclusive(Path("results/locks"), "finalize"):  # doctest: +SKIP
-    ...     publish()
-    """
-    locks, holder = FlockLockManager(lock_files_directory), uuid.uuid4().hex
-    locks.acquire_lock(key, holder)
-    try:
-        yield
-    finally:
-        locks.release_lock(key, holder)
-
-
-def _same_file(descriptor: int, path: Path) -> bool:
-    try:
-        return os.stat(path).st_ino == os.fstat(descriptor).st_ino
-    except FileNotFoundError:
-        return False
+        release_flock(self._path(key), descriptor)
 
 
 def _poll(done, timeout: float | None) -> bool:

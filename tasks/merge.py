@@ -10,18 +10,12 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from mergecore import CheckpointError, MergePlan
-from mergecore import finalize as finalize_folder
 from mergecore import merge_group as merge_one_group
-from mergecore.merge import published_manifest, refresh_published
 from mergecore.nonfinite import nonfinite_error, nonfinite_found
 from mergecore.output import BackgroundHashes
-from mergecore.remote_output import finalize_remote, is_remote, remote_manifest, write_file
-from mergecore.storage import Location
+from mergecore.targets import open_target
 from mergecore.verify import reference_checks
-from mergecore.writer import room_checked
 
-from .caching import results_folder
-from .locks import PUBLISH_LOCK, exclusive
 from .sources import CheckpointRef, prepared_for
 
 
@@ -60,7 +54,8 @@ def merge_file(ref: CheckpointRef, plan: MergePlan, file: str, target: str, weig
     the unit of work for object storage, where a file cannot be written at offsets by several tasks."""
     from prefect import get_run_logger
 
-    receipt = write_file(prepared_for(ref), target, file, weights_id, on_nonfinite=ref.on_nonfinite)
+    receipt = open_target(target).write_unit(prepared_for(ref), file, {"weights_id": weights_id},
+                                             on_nonfinite=ref.on_nonfinite)
     get_run_logger().info("file %s merged by process %d on %s", file, os.getpid(), socket.gethostname())
     if receipt.get("nonfinite"):
         get_run_logger().warning("non-finite weights written (on_nonfinite=warn): %s", receipt["nonfinite"])
@@ -68,30 +63,25 @@ def merge_file(ref: CheckpointRef, plan: MergePlan, file: str, target: str, weig
 
 
 @task(name="finalize_model", cache_policy=NO_CACHE)
-def finalize_model(ref: CheckpointRef, staging: str, target: str, overwrite: bool, receipts: list[dict],
+def finalize_model(ref: CheckpointRef, staged: dict, target: str, overwrite: bool, receipts: list[dict],
                    hashes: BackgroundHashes | None = None, reference: str | None = None,
                    trust_remote_code: bool = False) -> dict:
     """Round-trip check against the shards and, with a reference, its tensors and logits; then
-    index/config/tokenizer/card/manifest and the atomic publish. Nothing is published unless all pass.
+    index/config/tokenizer/card/manifest and the publish. Nothing is published unless all pass.
 
-    `hashes`: the flow's hasher of the weight files, already through the groups merged so far; it
-    finishes while the round-trip check runs. On a rerun whose weights are already published (no
-    staging folder), only changed metadata is redone.
+    `staged`: what prepare_staging returned. `hashes`: the flow's hasher of the weight files, already through
+    the groups merged so far; it finishes while the round-trip check runs. On a rerun whose weights are
+    already published, only changed metadata is redone.
     """
     prepared = prepared_for(ref)
     checks = (lambda folder: reference_checks(folder, Path(reference), trust_remote_code)) if reference else None
-    if is_remote(target):  # its weight files are written (merge_file); the rest goes up, manifest last
-        check_nonfinite(ref, prepared, receipts or (remote_manifest(Location.of(target)) or {}).get("groups_written", []))
-        with exclusive(results_folder(target) / "locks", PUBLISH_LOCK):
-            return finalize_remote(prepared, target, receipts, checks=checks)
-    if not Path(staging).exists():  # the target holds this merge: its receipts are in its manifest
-        receipts = (published_manifest(Path(target), prepared) or {}).get("groups_written", [])
-    check_nonfinite(ref, prepared, receipts)
-    with exclusive(results_folder(target) / "locks", PUBLISH_LOCK), room_checked(Path(staging)):  # one publisher at a time
-        if not Path(staging).exists():
-            return refresh_published(prepared, Path(target), checks=checks)
-        return finalize_folder(prepared, Path(staging), Path(target), overwrite, extra={"groups_written": receipts},
-                               hashes=hashes, checks=checks)
+    target = open_target(target)
+    with target.lock():  # held by the flow since staging (re-entrant): one writer publishes at a time
+        if staged["published"]:  # the receipts are those of the run that wrote it, in its manifest
+            check_nonfinite(ref, prepared, (target.manifest() or {}).get("groups_written", []))
+            return target.refresh(prepared, checks=checks)
+        check_nonfinite(ref, prepared, receipts)
+        return target.finalize(prepared, staged, receipts, overwrite=overwrite, hashes=hashes, checks=checks)
 
 
 def check_nonfinite(ref: CheckpointRef, prepared, receipts: list[dict]) -> None:

@@ -7,8 +7,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from mergecore import verify_manifest
-from mergecore.remote_output import check_sizes, downloaded, is_remote
+from mergecore.targets import open_target
 from mergecore.verify import REFERENCE_CHECKS, reference_checks
 
 
@@ -18,15 +17,15 @@ def run_equivalence_tests(target: str, manifest: dict, reference: str | None = N
     """The checks of the published model. A new merge was proven before it was published (round-trip,
     and with a reference its tensors and logits): those results come from its manifest.
 
-    A target reused from an earlier run is checked against its manifest (sizes and times;
+    A target reused from an earlier run is checked against its manifest (sizes, and times for a folder;
     `ckptflow verify` re-hashes everything) and, with a reference, compared with it afresh.
     """
     results = list(manifest.get("verification", []))
     if manifest.get("reused"):
         results = [r for r in results if not reference or r["check"] not in REFERENCE_CHECKS]
-        remote = is_remote(target)  # object storage: sizes only (no times), the reference on a local copy
-        results.append(check_sizes(target, manifest) if remote else verify_manifest(Path(target), full=False))
+        place = open_target(target)
+        results.append(place.check_published(manifest))
         if reference:
-            with downloaded(target) as folder:
+            with place.local_copy() as folder:
                 results += reference_checks(folder, Path(reference), trust_remote_code)
     return results

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -104,14 +105,22 @@ def test_missing_huggingface_folder_points_to_hf_model_path(cli, demo_copy, tmp_
 
 
 def test_non_empty_target_needs_overwrite(cli, demo, tmp_path):
-    target = tmp_path / "out"
+    """--overwrite replaces an empty folder or a model ckptflow published; a folder of someone's own files is
+    never replaced (it used to be, silently)."""
+    role_dir, target = demo("fsdp2-w2").role_dir, tmp_path / "out"
     target.mkdir()
     (target / "keep.txt").write_text("precious")
-    result = merge(cli, demo("fsdp2-w2").role_dir, target)
-    assert result.exit_code == 2 and "--overwrite" in result.stderr
-    assert (target / "keep.txt").read_text() == "precious"
-    assert merge(cli, demo("fsdp2-w2").role_dir, target, "--overwrite").exit_code == 0
-    assert not (target / "keep.txt").exists() and (target / "config.json").exists()
+    for flags in ((), ("--overwrite",)):
+        result = merge(cli, role_dir, target, *flags)
+        assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
+        assert "not a model ckptflow published" in result.stderr and "empty it" in result.stderr
+        assert sorted(os.listdir(tmp_path)) == ["out"] and (target / "keep.txt").read_text() == "precious"
+    (target / "keep.txt").unlink()
+    assert merge(cli, role_dir, target).exit_code == 0  # an empty folder needs no flag
+    result = merge(cli, role_dir, target, "--dtype", "fp16")
+    assert result.exit_code == 2 and "--overwrite" in result.stderr  # a published model needs the flag
+    assert merge(cli, role_dir, target, "--dtype", "fp16", "--overwrite").exit_code == 0
+    assert json.loads((target / "ckptflow_manifest.json").read_text())["dtype"] == "float16"
 
 
 def test_private_without_an_upload_path_is_refused_not_ignored(cli, demo, tmp_path):

@@ -10,7 +10,8 @@ import threading
 
 import pytest
 
-from mergecore import CheckpointError, merge_checkpoint, staging_folder, verify_manifest, verify_round_trip
+from mergecore import CheckpointError, merge_checkpoint, open_target, verify_manifest, verify_round_trip
+from mergecore.output import STAGING_MARKER
 from mergecore.formats import open_checkpoint
 from mergecore.output import MANIFEST_FILE
 from mergecore.publish import publish, retired_folders
@@ -26,8 +27,9 @@ def expected_listing(manifest: dict) -> list[str]:
 
 def test_strays_in_staging_and_an_old_shard_layout_are_never_published(cli, demo, tmp_path):
     ckpt, target = demo("fsdp2-w2"), tmp_path / "model"
-    staging = staging_folder(target)
+    staging = open_target(target).staging
     staging.mkdir(parents=True)
+    (staging / STAGING_MARKER).write_text("{}")  # a killed run's staging folder: ckptflow marked it
     (staging / "stray.txt").write_text("not part of the model")
     # what a killed run with another --max-shard-size leaves: other shard files, partly written
     (staging / "model-00001-of-00003.safetensors").write_bytes(b"\0" * 64)
@@ -162,7 +164,7 @@ def test_a_crash_after_the_swap_is_cleaned_by_the_next_run(demo, tmp_path):
     merge_checkpoint(str(ckpt.role_dir), target, dtype="bf16")
     old = tmp_path / "old"
     merge_checkpoint(str(ckpt.role_dir), old, dtype="fp32")
-    os.rename(old, staging_folder(target))  # a finished (fp32) model under the staging name
+    os.rename(old, open_target(target).staging)  # a finished (fp32) model under the staging name
     manifest = merge_checkpoint(str(ckpt.role_dir), target, dtype="bf16", overwrite=True)
     assert manifest["dtype"] == "bfloat16" and verify_manifest(target)["ok"]
     assert listing(tmp_path) == ["model"]

@@ -129,7 +129,7 @@ def test_verify_reads_a_remote_model_and_detects_a_tampered_file(s3_env, publish
 
 def test_a_crash_before_the_manifest_leaves_no_visible_model(s3_env, published, demo, cli, monkeypatch):
     from mergecore import CheckpointError, merge_checkpoint
-    from mergecore.remote_output import downloaded
+    from mergecore import open_target
 
     put = s3fs.S3FileSystem._put_file
 
@@ -148,7 +148,7 @@ def test_a_crash_before_the_manifest_leaves_no_visible_model(s3_env, published, 
     records = {name: json.loads(data)["receipt"] for name, data in left.items() if name.startswith(".ckptflow-staging/")}
     assert sorted(records) == sorted(f".ckptflow-staging/{n}.json" for n in left if n.endswith(".safetensors"))
     with pytest.raises(CheckpointError, match="no published model"):
-        with downloaded(published):
+        with open_target(published).local_copy():
             pass
     result = cli("verify", published)
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1

@@ -1,0 +1,263 @@
+"""A folder on object storage (`s3://...`, any fsspec URL) as a target: written file by file, published by the manifest.
+
+Object stores have no rename, so a folder cannot appear at once. The rule instead (docs/remote_targets.md):
+**a folder is a model only while it holds `ckptflow_manifest.json`, and only the files the manifest lists,
+with the sizes and sha256 it records, are that model.** A merge into a remote target therefore
+
+1. stages (`stage`): deletes the target's old manifest, so from here on readers see no model, never a mix;
+   weight files finished by an interrupted run of this very merge are kept (their records, under
+   `.ckptflow-staging/`, match the merge and the stored objects);
+2. streams each remaining weight file to its final name, reads it back and proves it against the shards
+   (`write_unit`, see `remote_writer`; any machine can write any file, so a cluster writes them in parallel)
+   and records it;
+3. finishes (`finalize`): uploads the index, config, copied files and card, removes objects an earlier model
+   had and the staging records, and writes the manifest last: that PUT publishes the model.
+
+A crash before the manifest leaves no model, and the next merge resumes from the recorded files. The lock is an
+flock in a local state folder named after the URL: it keeps out writers on this machine only (object stores
+offer no lock that ends with its holder).
+
+>>> RemoteTarget(Location.of("s3://models/run1-step100")).unit  # doctest: +SKIP
+'files'
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..errors import CheckpointError, VerificationError
+from ..output import MANIFEST_FILE
+from ..storage import Location, _identity, default_cache_dir
+from .base import Target
+from .lock import target_lock
+
+STAGING_RECORDS = ".ckptflow-staging"  # under a remote target: one record per finished file, gone once published
+
+
+def local_state_folder(target: str | Location) -> Path:
+    """The local folder for a remote target's run state (the pipeline's cached results, its lock): fixed per URL."""
+    location = Location.of(target)
+    return default_cache_dir() / "targets" / f"{location._url_key()}-{location.name}"
+
+
+class RemoteTarget(Target):
+    unit = "files"
+
+    def __init__(self, location: Location):
+        self.location = location
+        self.url = location.url
+        state = local_state_folder(location)
+        self.results_folder = state.parent / f".{state.name}.ckptflow-results"  # the pipeline's, on this machine
+
+    @property
+    def _fs_root(self):
+        return self.location._fs_path
+
+    @contextmanager
+    def lock(self, timeout: float | None = None):
+        state = local_state_folder(self.location)
+        state.parent.mkdir(parents=True, exist_ok=True)
+        with target_lock(state.parent / f".{state.name}.ckptflow-lock", self.url, timeout):
+            yield self
+
+    def entries(self) -> list[str] | None:
+        """Paths (relative to the target) of every object below it; None when there is none."""
+        fs, root = self._fs_root
+        fs.invalidate_cache(root)
+        if not fs.isdir(root):
+            return None
+        return sorted(posixpath.relpath(path, root) for path in fs.find(root))
+
+    def unfinished(self, entries: list[str]) -> bool:
+        return MANIFEST_FILE not in entries and any(e.startswith(STAGING_RECORDS + "/") for e in entries)
+
+    def manifest(self) -> dict | None:
+        """The target's manifest, or None when it holds no published model."""
+        from ..verify import load_manifest
+
+        return load_manifest(self.location) if self.location.join(MANIFEST_FILE).exists() else None
+
+    def published(self, prepared, overwrite: bool = False) -> dict | None:
+        """The manifest when the target already holds exactly this merge. (With `overwrite` the stored sizes must
+        match too; `ckptflow verify` re-hashes everything.)"""
+        from ..fingerprints import weights_id
+
+        manifest = self.manifest()
+        if manifest is None or manifest.get("weights_id") != weights_id(prepared.source, prepared.plan):
+            return None
+        if overwrite:
+            try:
+                check_sizes(self.location, manifest)
+            except VerificationError:
+                return None
+        return manifest
+
+    def _already_published(self, prepared) -> dict:
+        from ..fingerprints import weights_id
+
+        return {"staging": self.url, "created": [], "kept": {}, "published": True,
+                "weights_id": weights_id(prepared.source, prepared.plan)}
+
+    def _stage(self, prepared, room: int) -> dict:
+        """Its old manifest is deleted (readers see no model from here on) and `created` lists the weight files to
+        write: all but those an interrupted run of this merge finished (their receipts are in `kept`)."""
+        from ..fingerprints import weights_id
+
+        merge_id = weights_id(prepared.source, prepared.plan)
+        fs, root = self._fs_root
+        if self.location.join(MANIFEST_FILE).exists():
+            fs.rm_file(posixpath.join(root, MANIFEST_FILE))  # the old model stops being one before any file changes
+        kept = self._finished_files(prepared.plan.files, merge_id)
+        return {"staging": self.url, "created": [f for f in prepared.plan.files if f not in kept], "kept": kept,
+                "published": False, "weights_id": merge_id}
+
+    def discard(self) -> None:
+        """Nothing to remove: files written so far stay recorded, so the next run of this merge resumes."""
+
+    def _finished_files(self, files: list[str], merge_id: str) -> dict[str, dict]:
+        """{file: receipt} of the weight files already written and checked for merge `merge_id`: recorded, and the
+        stored object is still the one recorded (same size and ETag)."""
+        fs, root = self._fs_root
+        fs.invalidate_cache(root)
+        records = posixpath.join(root, STAGING_RECORDS)
+        kept = {}
+        for file in files:
+            try:
+                record = json.loads(fs.cat_file(posixpath.join(records, f"{file}.json")))
+                stored = _identity(fs.info(posixpath.join(root, file)))
+            except (FileNotFoundError, ValueError):
+                continue
+            receipt = record.get("receipt", {}) if isinstance(record, dict) else {}
+            if record.get("weights_id") == merge_id and receipt.get("identity") == stored and "pieces" in receipt:
+                kept[file] = receipt  # written, stored and checked (one written without the check is written again)
+        return kept
+
+    def write_unit(self, prepared, file: str, staged: dict, workers: int = 1, on_nonfinite: str = "warn",
+                   on_tensor=None, chunk_bytes=None, verify: bool = True) -> dict:
+        """Write, check and record one weight file of `prepared`'s plan (see `remote_writer`)."""
+        from ..remote_writer import write_remote_file
+
+        receipt = write_remote_file(prepared.source, prepared.plan, file, self.location, on_nonfinite=on_nonfinite,
+                                    chunk_bytes=chunk_bytes, verify=verify, on_tensor=on_tensor)
+        fs, root = self._fs_root
+        record = {"weights_id": staged["weights_id"], "receipt": receipt}
+        fs.pipe_file(posixpath.join(root, STAGING_RECORDS, f"{file}.json"), json.dumps(record).encode())
+        return receipt
+
+    def merge(self, prepared, staged: dict, *, overwrite: bool, verify: bool = True, workers: int = 2,
+              on_unit=None, on_tensor=None, on_nonfinite: str = "warn", chunk_bytes=None, extra: dict | None = None,
+              checks=None) -> dict:
+        """The files left to write, `workers` at a time (each streamed, read back and checked), then `finalize`."""
+
+        def one(file: str) -> dict:
+            receipt = self.write_unit(prepared, file, staged, 1, on_nonfinite, on_tensor, chunk_bytes, verify)
+            if on_unit:
+                on_unit(file, receipt)
+            return receipt
+
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            written = {r["file"]: r for r in pool.map(one, staged["created"])}
+        receipts = [staged["kept"].get(f) or written[f] for f in prepared.plan.files]
+        return self.finalize(prepared, staged, receipts, overwrite=overwrite, verify=verify, extra=extra, checks=checks)
+
+    def finalize(self, prepared, staged: dict, receipts: list[dict], *, overwrite: bool = False, verify: bool = True,
+                 workers: int = 2, extra: dict | None = None, hashes=None, checks=None) -> dict:
+        """Publish the weight files written (one receipt each): they are still the ones written; index, config,
+        copied files, a LoRA adapter and the card go up; objects of an earlier model and the staging records go;
+        the manifest is written last. `checks(folder)` (a reference's tensors and logits) runs on a local copy
+        before anything is published."""
+        from ..merge import describe_folder, finish_folder
+
+        published = self.published(prepared)
+        if published:
+            return {**published, "reused": True}
+        fs, root = self._fs_root
+        plan = prepared.plan
+        by_file = {r["file"]: r for r in receipts}
+        for file in plan.files:
+            fs.invalidate_cache(posixpath.join(root, file))
+            if file not in by_file or _identity(fs.info(posixpath.join(root, file))) != by_file[file]["identity"]:
+                raise VerificationError(f"{self.location.join(file)}: not the file this merge wrote (missing or "
+                                        "replaced since); nothing was published: merge again")
+        results = [{"check": "round-trip", "tensors": len(prepared.source.tensors()),
+                    "pieces": sum(by_file[f]["pieces"] for f in plan.files), "ok": True}] if verify else []
+        stored = {f: {"sha256": by_file[f]["sha256"], "size": by_file[f]["size"]} for f in plan.files}
+        with tempfile.TemporaryDirectory(prefix="ckptflow-publish-") as scratch:
+            folder = Path(scratch)
+            descriptive = describe_folder(prepared, folder)
+            if checks:  # they read the weights: a local copy, removed before the upload
+                for file in plan.files:
+                    fs.get_file(posixpath.join(root, file), str(folder / file))
+            manifest = finish_folder(prepared, folder, descriptive, results, {**(extra or {}), "groups_written": receipts},
+                                     stored=stored, checks=checks)
+            for file in plan.files:
+                (folder / file).unlink(missing_ok=True)
+            self._upload_manifest_last(folder, keep=set(plan.files))
+        return manifest
+
+    def refresh(self, prepared, *, verify: bool = True, workers: int = 2, checks=None) -> dict:
+        """The target holds this merge (`stage` said `published`): reused as it is."""
+        manifest = self.published(prepared)
+        if manifest is None:
+            raise CheckpointError(f"{self.url}: does not hold this checkpoint's merge; rerun with overwrite to rebuild it")
+        return {**manifest, "reused": True}
+
+    def _upload_manifest_last(self, folder: Path, keep: set[str]) -> None:
+        """Upload `folder`'s files, remove every other object but `keep` (an earlier model's), the manifest last,
+        then the staging records (kept until then: a crash before the manifest resumes with them)."""
+        fs, root = self._fs_root
+        local = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+        for name in local:
+            if name != MANIFEST_FILE:
+                fs.put_file(str(folder / name), posixpath.join(root, name))
+        leftovers = set(self.entries() or []) - set(local) - keep
+        records = {name for name in leftovers if name.startswith(STAGING_RECORDS + "/")}
+        for stale in sorted(leftovers - records):
+            fs.rm_file(posixpath.join(root, stale))
+        fs.put_file(str(folder / MANIFEST_FILE), posixpath.join(root, MANIFEST_FILE))
+        for record in sorted(records):
+            fs.rm_file(posixpath.join(root, record))
+
+    @contextmanager
+    def local_copy(self):
+        """The published model's files in a temporary local folder (each checked for its size), removed afterwards.
+        A target without a manifest is refused: it is not a model (an interrupted or ongoing merge)."""
+        manifest = self.require_manifest()
+        fs, root = self._fs_root
+        with tempfile.TemporaryDirectory(prefix="ckptflow-remote-") as scratch:
+            folder = Path(scratch) / self.location.name
+            for name, entry in manifest["files"].items():
+                (folder / name).parent.mkdir(parents=True, exist_ok=True)
+                fs.get_file(posixpath.join(root, name), str(folder / name))
+                if (folder / name).stat().st_size != entry["size"]:
+                    raise VerificationError(f"{self.url}/{name}: differs from {MANIFEST_FILE} (size); the model "
+                                            "changed after it was published (merge again with overwrite)")
+            fs.get_file(posixpath.join(root, MANIFEST_FILE), str(folder / MANIFEST_FILE))
+            yield folder
+
+    def check_published(self, manifest: dict) -> dict:
+        """The cheap check of the published model: sizes (see `check_sizes`)."""
+        return check_sizes(self.location, manifest)
+
+
+def check_sizes(target: str | Location, manifest: dict) -> dict:
+    """The cheap check of a published remote model (no byte read): every file the manifest lists is there with
+    its size; `ckptflow verify` re-hashes everything. Returns the result row."""
+    from ..verify import file_changed, file_missing
+
+    location = Location.of(target)
+    fs, root = location._fs_path
+    fs.invalidate_cache(root)
+    for name, entry in manifest["files"].items():
+        try:
+            size = fs.info(posixpath.join(root, name))["size"]
+        except FileNotFoundError:
+            raise file_missing(location.join(name)) from None
+        if size != entry["size"]:
+            raise file_changed(location.join(name))
+    return {"check": "manifest (size)", "files": len(manifest["files"]), "ok": True}

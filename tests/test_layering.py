@@ -1,0 +1,98 @@
+"""The import layering, read from the source (function-local imports count too, so a circle cannot hide in one):
+mergecore never imports Prefect, tasks or flows; no package has an import circle between its modules."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("mergecore", "tasks", "flows")
+
+
+def modules(package: str) -> dict[str, Path]:
+    found = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Every module `name` imports anywhere in its file: absolute names, and relative ones resolved (a name
+    imported from a package is the submodule when one exists, else the package)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                found.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in known else module)
+    return found
+
+
+def graph(package: str) -> dict[str, set[str]]:
+    known = modules(package)
+    return {name: {m for m in imported(name, path, known) if m in known and m != name} for name, path in known.items()}
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_mergecore_never_imports_prefect_tasks_or_flows():
+    known = modules("mergecore")
+    offenders = {name: sorted(m for m in imported(name, path, known) if m.split(".")[0] in ("prefect", "prefect_dask",
+                                                                                          "tasks", "flows"))
+                 for name, path in known.items()}
+    assert {name: found for name, found in offenders.items() if found} == {}
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_circles(package):
+    assert circles(graph(package)) == []
+
+
+def test_the_checker_sees_a_circle_hidden_in_a_function(tmp_path):
+    """The check itself: a circle made only of function-local imports is found."""
+    assert circles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+    source = tmp_path / "m.py"
+    source.write_text("def f():\n    from .n import g\n")
+    assert imported("pkg.m", source, {"pkg.n": source}) == {"pkg.n"}
