@@ -68,8 +68,10 @@ Client setup (why ``configure_client`` exists). ``huggingface_hub.constants`` re
 import time. Setting env vars in a test is therefore too late if anything imported ``huggingface_hub`` before
 (transformers, another test module, a conftest). ``configure_client(monkeypatch, hf_home)`` sets the env vars
 *and* patches the module constants the client reads at call time, undone by monkeypatch after the test:
-- ``HF_HUB_DISABLE_XET`` -> True. Mandatory: with ``hf_xet`` installed, ``upload_folder`` otherwise takes the Xet
-  pipeline (no local server can serve Xet storage). Read at call time through ``constants.HF_HUB_DISABLE_XET``.
+- ``HF_HUB_DISABLE_XET`` -> True, unless ``xet=True``. With ``hf_xet`` installed the client sends every LFS-mode
+  file to Xet storage (huggingface_hub 2.4 asks the server nothing before choosing; no local server can serve
+  Xet), and ``upload_folder`` takes its pipelined multi-commit path. ``xet=True`` keeps the detection on for tests
+  of that choice, with regular (small text) files only. Read at call time through ``constants.HF_HUB_DISABLE_XET``.
 - ``HF_HUB_DISABLE_TELEMETRY`` -> True. Otherwise every request's user-agent builder calls ``detect_agent()``,
   which fetches ``{ENDPOINT}/api/agent-harnesses`` (the real Hub by default; 3 s timeout) and writes a cache
   file under ``HF_HOME``.
@@ -432,14 +434,18 @@ class HubServer:
 
     # ---- test helpers
 
-    def configure_client(self, monkeypatch: Any, hf_home: str | os.PathLike) -> None:
-        """Point huggingface_hub at this server for one test (details in the module docstring)."""
+    def configure_client(self, monkeypatch: Any, hf_home: str | os.PathLike, *, xet: bool = False) -> None:
+        """Point huggingface_hub at this server for one test (details in the module docstring).
+
+        `xet=True` leaves the client's Xet detection on (`is_xet_available()` is True with `hf_xet` installed, as on
+        a user's machine): `upload_folder` then takes its pipelined multi-commit path, and any LFS-mode file goes
+        to Xet storage, which this server does not serve. Use it with regular (small, text) files only."""
         from huggingface_hub import constants
 
         home = str(hf_home)
         Path(home).mkdir(parents=True, exist_ok=True)
         for name, value in {
-            "HF_ENDPOINT": self.url, "HF_HOME": home, "HF_HUB_DISABLE_XET": "1",
+            "HF_ENDPOINT": self.url, "HF_HOME": home, "HF_HUB_DISABLE_XET": "0" if xet else "1",
             "HF_HUB_DISABLE_TELEMETRY": "1",
         }.items():
             monkeypatch.setenv(name, value)
@@ -450,7 +456,7 @@ class HubServer:
         patched = {
             "ENDPOINT": self.url,
             "HUGGINGFACE_CO_URL_TEMPLATE": self.url + "/{repo_id}/resolve/{revision}/{filename}",
-            "HF_HUB_DISABLE_XET": True,
+            "HF_HUB_DISABLE_XET": not xet,
             "HF_HUB_DISABLE_TELEMETRY": True,
             "HF_HUB_OFFLINE": False,
             "HF_HOME": home,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -115,7 +116,7 @@ def test_throttled_and_failing_calls_are_retried_until_the_push_completes(hub, m
     hub.fail_next("GET", r"^/api/models/alice/faulty/revision/", 502)
     hub.fail_next("POST", r"/branch/step-1$", 503)
     hub.fail_next("POST", r"/commit/step-1$", 503, times=2, headers=retry_now)
-    hub.fail_next("POST", r"/tag/step-1$", 500)
+    hub.fail_next("POST", r"/tag/[0-9a-f]{40}$", 500)  # the tag is made on the pushed commit itself
 
     pushed = push_folder(folder, "alice/faulty", revision="step-1", tag="v1")
 
@@ -240,3 +241,143 @@ def test_the_token_never_leaks_from_a_promotion(prefect_server, hub, cli, demo, 
     database = get_current_settings().server.database.connection_url.get_secret_value()
     files = list(Path(database.split("///", 1)[-1]).parent.glob("*.db*")) if "sqlite" in database else []
     assert files and SECRET.encode() not in b"".join(f.read_bytes() for f in files)
+
+
+# ---- one commit per push, with huggingface_hub's Xet detection on (as on a user's machine)
+
+def test_a_push_is_one_commit_with_xet_available(hub, monkeypatch, tmp_path):
+    """With `hf_xet` installed, `upload_folder` commits in batches of 250 files and deletes old files in the first
+    batch. A push must be one commit however large the folder: 300 tiny files (regular files, which need no Xet
+    storage) over an earlier push whose stale file must go in that same commit."""
+    import json
+
+    from huggingface_hub.utils._runtime import is_xet_available
+
+    from hub_server import DEFAULT_GITATTRIBUTES
+
+    hub.configure_client(monkeypatch, tmp_path / "hf-home-xet", xet=True)
+    monkeypatch.setenv("HF_TOKEN", "hf_alice")
+    assert is_xet_available()
+    earlier, folder = tmp_path / "earlier", tmp_path / "many"
+    earlier.mkdir()
+    folder.mkdir()
+    (earlier / "stale.txt").write_text("from an earlier push")
+    for i in range(300):
+        (folder / f"part-{i:03d}.json").write_text(json.dumps({"part": i}))
+    (earlier / "part-000.json").write_text("an older part 0")
+    first = push_folder(earlier, "alice/many")
+
+    seen = len(hub.requests)
+    pushed = push_folder(folder, "alice/many")
+    commits = hub.commits("alice/many")
+    assert [c.oid for c in commits[:2]] == [pushed["commit"], first["commit"]]  # exactly one new commit
+    assert sum(r.method == "POST" and "/commit/" in r.path for r in hub.requests[seen:]) == 1
+    expected = {p.name: p.read_bytes() for p in folder.iterdir()} | {".gitattributes": DEFAULT_GITATTRIBUTES.encode()}
+    assert hub.files("alice/many") == expected  # every add and the deletion of stale.txt, in that one commit
+
+    again = push_folder(folder, "alice/many")  # unchanged: no commit
+    assert not again["new_commit"] and hub.commits("alice/many")[0].oid == pushed["commit"]
+
+
+# ---- tags
+
+def test_a_tag_on_another_commit_is_refused_and_a_rerun_keeps_it(hub, merged, merged_in_shards):
+    folder, _ = merged
+    first = push_folder(folder, "alice/tagged", revision="step-1", tag="v1")
+    assert push_folder(folder, "alice/tagged", revision="step-1", tag="v1")["tag"] == "v1"  # a rerun: same commit
+
+    for branch in ("step-1", "step-2"):  # a new commit on the tagged branch, or on another branch
+        seen = len(hub.requests)
+        with pytest.raises(CheckpointError) as refused:
+            push_folder(merged_in_shards, "alice/tagged", revision=branch, tag="v1")
+        message = str(refused.value)
+        assert "\n" not in message and "tag v1" in message and first["commit"] in message
+        assert "choose another --tag" in message and "delete the tag" in message
+        assert not any(r.method == "POST" and "/commit/" in r.path for r in hub.requests[seen:])  # nothing pushed
+    repo = hub.repo("alice/tagged")
+    assert repo.tags == {"v1": first["commit"]} and repo.branches["step-1"] == first["commit"]
+    assert "step-2" not in repo.branches
+
+
+# ---- folders the Hub cannot hold as they are: refused before any Hub call
+
+@pytest.fixture
+def folder_copy(merged, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(merged[0], copy)
+    return copy
+
+
+def test_a_file_name_that_is_not_utf8_is_refused_before_any_hub_call(hub, folder_copy):
+    (folder_copy / "extra").mkdir()
+    with open(os.path.join(os.fsencode(folder_copy / "extra"), b"\xff.txt"), "wb") as f:
+        f.write(b"from huggingface/")
+    with pytest.raises(CheckpointError) as refused:
+        push_folder(folder_copy, "alice/bad-name")
+    message = str(refused.value)
+    assert "\n" not in message and "extra/\\xff.txt" in message and "not valid UTF-8" in message
+    assert hub.requests == []  # no repo created
+
+
+@pytest.mark.parametrize("kind", ["link", "pipe"])
+def test_a_link_or_special_file_is_refused_before_any_hub_call(hub, folder_copy, kind):
+    if kind == "link":
+        (folder_copy / "alias.json").symlink_to(folder_copy / "config.json")
+    else:
+        os.mkfifo(folder_copy / "alias.json")
+    with pytest.raises(CheckpointError, match=r"alias\.json: (a symbolic link|not a regular file)") as refused:
+        push_folder(folder_copy, "alice/linked")
+    assert "\n" not in str(refused.value)
+    assert hub.requests == []
+
+
+# ---- an endpoint that is not the Hub
+
+@pytest.fixture
+def captive_portal():
+    """A web server answering every request with 200 and an HTML page, as a captive portal or a mistyped
+    HF_ENDPOINT does."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Portal(BaseHTTPRequestHandler):
+        def do_GET(self):
+            length = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(length)
+            page = b"<!doctype html><html><body>Please sign in to the network</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        do_POST = do_PUT = do_HEAD = do_DELETE = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Portal)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_endpoint_answering_html_is_one_line_and_exit_2(captive_portal, demo, tmp_path):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    env.update(HF_ENDPOINT=captive_portal, HF_TOKEN="hf_alice", HF_HOME=str(tmp_path / "hf-home"),
+               HF_HUB_DISABLE_TELEMETRY="1")
+    run = subprocess.run([sys.executable, "-m", "flows.cli", "merge", "--local_dir", str(demo("fsdp2-w2").role_dir),
+                          "--target_dir", str(tmp_path / "out"), "--hf_upload_path", "alice/portal"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in run.stderr
+    assert f"HF_ENDPOINT {captive_portal} answered with something that is not the Hub API" in errors[0]
+    assert "check HF_ENDPOINT" in errors[0]
