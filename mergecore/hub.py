@@ -43,18 +43,18 @@ def push_folder(
     >>> push_folder("out/model", "org/model", revision="step-100")  # doctest: +SKIP
     {'repo_id': 'org/model', 'revision': 'step-100', 'commit': '3f2a...', 'new_commit': True, ...}
     """
-    from .targets import LocalTarget, open_target
+    from .targets import open_target
 
-    target = open_target(folder)
-    if not isinstance(target, LocalTarget):  # a model on object storage is pushed from a local copy of its files
-        with target.local_copy() as local:
-            return push_folder(local, repo_id, revision=revision, private=private, token=token, tag=tag,
-                               commit_message=commit_message)
+    with open_target(folder).local_copy() as local:  # a model on object storage: a local copy of its files
+        return _push_local(Path(local), repo_id, revision, private, token, tag, commit_message)
+
+
+def _push_local(folder: Path, repo_id: str, revision: str | None, private: bool, token: str | None, tag: str | None,
+                commit_message: str | None) -> dict:
     import httpx2
     from huggingface_hub import HfApi, get_token
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
-    folder = Path(folder)
     files = publishable_files(folder)  # before any Hub call: a refused folder creates no repo
     branch = revision or "main"
     api = HfApi(token=token)
