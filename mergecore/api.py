@@ -56,10 +56,10 @@ def merge_checkpoint(
         prepared = prepared or prepare(checkpoint, role, backend, hf_dir, dtype, max_shard_size, tie_word_embedding,
                                        check_replicas)
         clock.lap("prepare")
-        staged = target.stage(prepared, overwrite, metadata_bytes(prepared.source))  # checks the source's folders too
-        if staged["published"]:
-            return target.refresh(prepared, verify=verify, workers=workers, checks=checks)
         try:
+            staged = target.stage(prepared, overwrite, metadata_bytes(prepared.source))  # checks the source's folders too
+            if staged["published"]:
+                return target.refresh(prepared, verify=verify, workers=workers, checks=checks)
             return target.merge(prepared, staged, overwrite=overwrite, verify=verify, workers=workers, on_unit=on_group,
                                 on_tensor=on_tensor, on_nonfinite=on_nonfinite, chunk_bytes=chunk_bytes,
                                 extra={"timings": clock.laps}, checks=checks)

@@ -118,8 +118,9 @@ class LocalTarget(Target):
         return self.staging
 
     def discard(self) -> None:
-        """Remove the staging folder (a failed or interrupted merge), if it is ours."""
-        if os.path.isdir(self.staging) and not os.path.islink(self.staging):
+        """Remove the staging folder (a failed or interrupted merge), if it is ours: a real folder we marked."""
+        if os.path.isdir(self.staging) and not os.path.islink(self.staging) and \
+                os.path.isfile(self.staging / STAGING_MARKER):
             shutil.rmtree(self.staging, ignore_errors=True)
 
     def _already_published(self, prepared) -> dict:

@@ -60,9 +60,9 @@ class RemoteTarget(Target):
 
     @contextmanager
     def lock(self, timeout: float | None = None):
-        state = local_state_folder(self.location)
-        state.parent.mkdir(parents=True, exist_ok=True)
-        with target_lock(state.parent / f".{state.name}.ckptflow-lock", self.url, timeout):
+        locks = default_cache_dir() / "locks"  # beside the state folder, so a merge assembles nothing under it
+        locks.mkdir(parents=True, exist_ok=True)
+        with target_lock(locks / f"{local_state_folder(self.location).name}.lock", self.url, timeout):
             yield self
 
     def entries(self) -> list[str] | None:
