@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 
 from .errors import CheckpointError
-from .layout import check_against_config
+from .layout import check_against_config, layer_index, text_config
 
 _CACHE_FORMAT = 1  # bump when what is cached changes meaning
 _FIX = "the checkpoint and config.json are from different models: pass --hf_model_path with the right config"
@@ -44,7 +44,8 @@ def check_config(source, config: dict, plan) -> dict:
         return {"by": "shape table", "why": saved["why"], "tensors": len(written)}
     expected = {name: tuple(shape) for name, shape in saved["tensors"].items()}
     if written != expected:
-        raise CheckpointError(f"{where}: {describe_difference(written, expected, saved['model'])}; {_FIX}")
+        layers = _layer_difference(written, expected, config)
+        raise CheckpointError(f"{where}: {layers}{describe_difference(written, expected, saved['model'])}; {_FIX}")
     return {"by": "transformers", "model": saved["model"], "tensors": len(written)}
 
 
@@ -65,6 +66,19 @@ def describe_difference(written: dict, expected: dict, model: str, few: int = 3)
     parts = ([first(misshaped)] if misshaped else []) + ([f"missing {first(missing)}"] if missing else []) \
         + ([f"unexpected {first(unexpected)}"] if unexpected else [])
     return f"the merge would write tensors that {model}.save_pretrained does not: " + "; ".join(parts)
+
+
+def _layer_difference(written, expected, config: dict) -> str:
+    """A lead for the commonest mismatch, as the user would fix it: another decoder layer count."""
+    def layers(names):
+        return {i for n in names if (i := layer_index(n)) is not None and "vision" not in n and "visual" not in n}
+
+    have, want = layers(written), layers(expected)
+    if not have or have == want:
+        return ""
+    count = text_config(config).get("num_hidden_layers")
+    return (f"the checkpoint has decoder layers {min(have)}..{max(have)} ({len(have)}) but the config says "
+            f"num_hidden_layers={count}; ")
 
 
 def saved_tensors(config: dict) -> dict:
