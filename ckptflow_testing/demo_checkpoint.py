@@ -42,7 +42,8 @@ from typing import Any
 
 __all__ = ["DemoSpec", "DemoCheckpoint", "DemoCheckpointError", "write_demo_checkpoint", "write_demo_checkpoints"]
 
-ARCHS = ("qwen2", "llama", "critic", "qwen3_moe", "qwen2_moe", "mixtral", "qwen2_5_vl", "qwen3_vl", "gemma3_text")
+ARCHS = ("qwen2", "llama", "critic", "qwen3_moe", "qwen2_moe", "mixtral", "qwen2_5_vl", "qwen3_vl", "gemma3_text",
+         "qwen3_next")
 MODES = ("fsdp2", "hsdp", "fsdp1_mesh", "fsdp1", "single")
 CONFIG_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -333,13 +334,16 @@ def _write_hf_dir(spec: DemoSpec, hf_dir: Path, tokenizer) -> None:
 # one; save_pretrained writes the Hub's): each layer's experts packed into 3-D `mlp.experts.gate_up_proj`
 # / `mlp.experts.down_proj`. Hub files: Qwen3-MoE and Qwen2-MoE `mlp.experts.N.{gate,up,down}_proj`
 # (Qwen2-MoE adds a shared expert and its sigmoid gate), Mixtral `block_sparse_moe.experts.N.w1/w3/w2`.
-_IN_MEMORY_LAYOUT_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+# Qwen3-Next has Qwen2-MoE's experts under one linear-attention (gated delta rule) and one full-attention layer,
+# whose gated `q_proj` is 2 x heads x head_dim wide.
+_IN_MEMORY_LAYOUT_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next")
 _MOE_EXPERTS = 4
 # arch -> (config class, model class) in transformers.
 _MOE_FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
 }
 
 
@@ -349,8 +353,14 @@ def _moe_fields(arch: str, spec: DemoSpec) -> dict:
         return dict(num_local_experts=_MOE_EXPERTS, num_experts_per_tok=2, intermediate_size=expert_size)
     fields = dict(num_experts=_MOE_EXPERTS, num_experts_per_tok=2, moe_intermediate_size=expert_size,
                   decoder_sparse_step=1)
-    if arch == "qwen2_moe":
+    if arch in ("qwen2_moe", "qwen3_next"):
         fields["shared_expert_intermediate_size"] = 2 * expert_size
+    if arch == "qwen3_next":  # linear attention with its own head count and size (not the full layers')
+        head_dim = spec.head_dim or spec.hidden_size // spec.num_attention_heads
+        fields.update(head_dim=head_dim, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                      linear_value_head_dim=12, linear_conv_kernel_dim=4,
+                      layer_types=["linear_attention", "full_attention"] * (spec.num_hidden_layers // 2)
+                      + ["linear_attention"] * (spec.num_hidden_layers % 2))
     return fields
 
 
@@ -375,7 +385,7 @@ def _in_memory_layout_model_class(arch: str):
 # (the Hub's files: `model.layers.*` / `visual.*`, and Qwen3-VL `model.language_model.*`); their huggingface/
 # folder holds processor files beside the tokenizer. Gemma 3 text ships with tied embeddings.
 _VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
-_OWN_LOGITS_ARCHS = _VLM_ARCHS + ("gemma3_text",)
+_OWN_LOGITS_ARCHS = _VLM_ARCHS + ("gemma3_text", "qwen3_next")  # reference/ keeps the model's own logits
 _VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 # A tiny vision tower: 4x4-pixel patches, 2x2 of them merged into one language token, 2 frames per patch.
 _PATCH, _MERGE, _TEMPORAL = 4, 2, 2

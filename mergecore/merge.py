@@ -18,7 +18,8 @@ from .dtypes import resolve_dtype
 from .errors import CheckpointError
 from .formats import CheckpointSource, open_checkpoint
 from .formats.base import read_hf_config
-from .layout import EMBEDDING, OUTPUT, check_against_config, tied_embeddings
+from .config_check import check_config
+from .layout import EMBEDDING, OUTPUT, tied_embeddings
 from .lora import lora_view, write_adapter_beside
 from .nonfinite import check_nonfinite_policy, checked_blocks
 from .plan import MergePlan, make_plan
@@ -118,12 +119,10 @@ def prepare(
     source = merge_view(source, lora)  # fused LoRA, then the Hub's layout
     config = read_hf_config(source)
     source.validate(check_replicas=check_replicas)
-    shapes = {name: info.shape for name, info in source.tensors().items()}
-    check_against_config(shapes, config, str(source.hf_dir.join("config.json")),
-                         allow_unknown=bool(getattr(source, "custom_mapping", None)))
     tied = check_tied_embeddings(source, config, tie_word_embedding)
     plan = make_plan(str(source.location), source.tensors(), resolve_dtype(dtype, config), tied, parse_size(max_shard_size))
-    options = {"backend": source.backend, "hf_dir": str(source.hf_dir) if hf_dir else None,
+    options = {"config_check": check_config(source, config, plan),  # what the merge writes, per transformers
+               "backend": source.backend, "hf_dir": str(source.hf_dir) if hf_dir else None,
                "custom_mapping": custom_mapping, "dtype": dtype, "max_shard_size": max_shard_size,
                "tie_word_embedding": tie_word_embedding, "check_replicas": check_replicas}
     if lora:

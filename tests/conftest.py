@@ -33,6 +33,7 @@ FAMILIES = {
     "qwen2_5_vl": DemoSpec(arch="qwen2_5_vl"),
     "qwen3_vl": DemoSpec(arch="qwen3_vl"),
     "gemma3_text": DemoSpec(arch="gemma3_text"),
+    "qwen3_next": DemoSpec(arch="qwen3_next"),
     "lora-full": DemoSpec(lora=True),
     "lora-only": DemoSpec(lora=True, lora_only=True),
     "lora-moe": DemoSpec(arch="qwen3_moe", lora=True),
@@ -43,6 +44,20 @@ FAMILIES = {
 WEIGHT_HEAVY = {"fsdp2-w2-vocab8k": DemoSpec(vocab_size=8192)}
 
 ALL = {**VARIANTS, **FAMILIES, **WEIGHT_HEAVY}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def config_check_cache(tmp_path_factory):
+    """The config check's answers (`mergecore.config_check`) kept for this session only, not in ~/.cache."""
+    import os
+
+    before = os.environ.get("CKPTFLOW_CONFIG_CACHE")
+    os.environ["CKPTFLOW_CONFIG_CACHE"] = str(tmp_path_factory.mktemp("ckptflow-config-cache"))
+    yield
+    if before is None:
+        os.environ.pop("CKPTFLOW_CONFIG_CACHE")
+    else:
+        os.environ["CKPTFLOW_CONFIG_CACHE"] = before
 
 
 @pytest.fixture(scope="session")

@@ -336,9 +336,11 @@ def merge_in_a_fresh_process(role_dir: Path, out: Path, chunk_bytes: str) -> lis
 
 @pytest.mark.parametrize("case", ["qwen2", "qwen2_moe"])
 def test_merge_imports_no_torch_and_streams_within_a_tiny_budget(dist, case, tmp_path):
-    """A dist_ckpt merge never imports torch, and with a 4 KB chunk budget (every tensor in many row blocks,
-    fused QKV and [gate; up] parts and the padded vocabulary included) the output equals save_pretrained's."""
+    """A dist_ckpt merge never imports torch once the config check's answer for its config.json is cached (a first
+    merge, here `prepare` in this process, asks transformers), and with a 4 KB chunk budget (every tensor in many row
+    blocks, fused QKV and [gate; up] parts and the padded vocabulary included) the output equals save_pretrained's."""
     ckpt = dist(case)
+    prepare(str(ckpt.role_dir))  # the session's CKPTFLOW_CACHE_DIR, which the fresh process inherits
     assert merge_in_a_fresh_process(ckpt.role_dir, tmp_path / "out", "4KB") == []
     assert compare_with_reference(tmp_path / "out", ckpt.reference_dir)["max_abs_diff"] == 0.0
     verify_round_trip(open_checkpoint(str(ckpt.role_dir)), tmp_path / "out", {})

@@ -405,9 +405,16 @@ def test_custom_mapping_through_the_cli(mcore_copy, cli, tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["checkpoint"]["custom_mapping"] == str(mapping)
     out = tmp_path / "out"
+    # LlamaForCausalLM (transformers knows it) saves no such tensor: the mapping cannot vouch for it
+    result = cli("merge", "--local_dir", ckpt.role_dir, "--target_dir", out, "--custom-mapping", mapping)
+    assert result.exit_code == 2 and "unexpected model.layers.1.mlp.mystery.weight" in result.stderr, result.output
+    config_path = ckpt.role_dir / "huggingface" / "config.json"  # custom code: only the shape table can judge
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "architectures": ["MysteryForCausalLM"]}))
     result = cli("merge", "--local_dir", ckpt.role_dir, "--target_dir", out, "--custom-mapping", mapping)
     assert result.exit_code == 0, result.output
     assert "model.layers.1.mlp.mystery.weight" in load_folder(out)
+    check = json.loads((out / "ckptflow_manifest.json").read_text())["source"]["options"]["config_check"]
+    assert check["by"] == "shape table" and "MysteryForCausalLM" in check["why"]
     result = cli("verify", out)
     assert result.exit_code == 0, result.output
     assert "round-trip" in result.stdout

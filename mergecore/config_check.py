@@ -1,0 +1,143 @@
+"""config.json against the weights a merge writes, asked of transformers itself.
+
+The model class config.json names is built on the meta device (the Hub-layout view's own meta model,
+`hub_layout._meta_model`), and what its `save_pretrained` would write is computed with transformers' own save
+steps on meta tensors: the state dict (persistent buffers in, non-persistent ones out), less
+`_keys_to_ignore_on_save` and the tied weights it drops, in the Hub's layout (`revert_weight_conversion`). The
+merge must write exactly those names and shapes. Only where transformers has no class for the config (custom code,
+an unknown model_type) does the hand-written shape table of `mergecore.layout` judge instead; the returned record
+says which (it is kept in the manifest).
+
+Building the meta model costs seconds of imports (torch, transformers), so its answer is kept on disk per
+config.json content and transformers install (`CKPTFLOW_CONFIG_CACHE`, default `saved-tensors/` under `CKPTFLOW_CACHE`): the next
+checkpoint of the same training run is checked without importing either.
+
+>>> check_config(source, config, plan)  # doctest: +SKIP
+{'by': 'transformers', 'model': 'Qwen2ForCausalLM', 'tensors': 27}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from .errors import CheckpointError
+from .layout import check_against_config, layer_index, text_config
+
+_CACHE_FORMAT = 1  # bump when what is cached changes meaning
+_FIX = "the checkpoint and config.json are from different models: pass --hf_model_path with the right config"
+
+
+def check_config(source, config: dict, plan) -> dict:
+    """Refuse, in one line, a config.json that does not describe the tensors `plan` writes; returns how it was
+    checked: `{"by": "transformers", "model": ...}` or `{"by": "shape table", "why": ...}`."""
+    where = str(source.hf_dir.join("config.json"))
+    if not isinstance(config.get("model_type"), str) or not config["model_type"]:
+        raise CheckpointError(f"{where}: has no model_type, so nothing can load the merged model; restore config.json "
+                              "from the base model or pass --hf_model_path with its folder")
+    written = {t.name: tuple(t.shape) for t in plan.tensors}
+    saved = saved_tensors(config)
+    if saved["model"] is None:
+        check_against_config(written, config, where, allow_unknown=bool(getattr(source, "custom_mapping", None)))
+        return {"by": "shape table", "why": saved["why"], "tensors": len(written)}
+    expected = {name: tuple(shape) for name, shape in saved["tensors"].items()}
+    if written != expected:
+        layers = _layer_difference(written, expected, config)
+        raise CheckpointError(f"{where}: {layers}{describe_difference(written, expected, saved['model'])}; {_FIX}")
+    return {"by": "transformers", "model": saved["model"], "tensors": len(written)}
+
+
+def describe_difference(written: dict, expected: dict, model: str, few: int = 3) -> str:
+    """The first few mis-shaped, missing and unexpected names, on one line.
+
+    >>> describe_difference({"a": (2,), "b": (1,)}, {"a": (3,), "c": (1,)}, "M")
+    'the merge would write tensors that M.save_pretrained does not: a has shape (2,) but the config implies (3,); missing c; unexpected b'
+    """
+    def first(names):
+        names = list(names)
+        return ", ".join(names[:few]) + (f" and {len(names) - few} more" if len(names) > few else "")
+
+    misshaped = [f"{n} has shape {written[n]} but the config implies {shape}"
+                 for n, shape in expected.items() if n in written and written[n] != shape]
+    missing = [n for n in expected if n not in written]
+    unexpected = [n for n in written if n not in expected]
+    parts = ([first(misshaped)] if misshaped else []) + ([f"missing {first(missing)}"] if missing else []) \
+        + ([f"unexpected {first(unexpected)}"] if unexpected else [])
+    return f"the merge would write tensors that {model}.save_pretrained does not: " + "; ".join(parts)
+
+
+def _layer_difference(written, expected, config: dict) -> str:
+    """A lead for the commonest mismatch, as the user would fix it: another decoder layer count."""
+    def layers(names):
+        return {i for n in names if (i := layer_index(n)) is not None and "vision" not in n and "visual" not in n}
+
+    have, want = layers(written), layers(expected)
+    if not have or have == want:
+        return ""
+    count = text_config(config).get("num_hidden_layers")
+    return (f"the checkpoint has decoder layers {min(have)}..{max(have)} ({len(have)}) but the config says "
+            f"num_hidden_layers={count}; ")
+
+
+def saved_tensors(config: dict) -> dict:
+    """`{"model": class name, "tensors": {name: shape}}` as that model's save_pretrained writes them, or
+    `{"model": None, "why": ...}` when transformers has no class for the config; from the disk cache when this
+    config was checked before with the same transformers install."""
+    cache = _cache_file(config)
+    if cache is not None:
+        try:
+            return json.loads(cache.read_text())["answer"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # absent or unreadable: compute it
+    answer = _ask_transformers(config)
+    if cache is not None:
+        _store(cache, {"answer": answer})
+    return answer
+
+
+def _ask_transformers(config: dict) -> dict:
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    from .hub_layout import _meta_model
+
+    model = _meta_model(config)
+    if model is None:
+        from transformers import CONFIG_MAPPING
+
+        if config["model_type"] not in CONFIG_MAPPING:
+            return {"model": None, "why": f"transformers does not know model_type {config['model_type']!r}"}
+        return {"model": None, "why": f"transformers has no class {(config.get('architectures') or [None])[0]!r}"}
+    state = model.state_dict()  # meta tensors: persistent buffers included, non-persistent ones not
+    for key in model._keys_to_ignore_on_save or ():
+        state.pop(key, None)
+    state = revert_weight_conversion(model, remove_tied_weights_from_state_dict(state, model))
+    return {"model": type(model).__name__, "tensors": {name: list(t.shape) for name, t in state.items()}}
+
+
+def _cache_file(config: dict) -> Path | None:
+    """Where the answer for this config.json and transformers install is kept (None: transformers missing)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or spec.origin is None:
+        return None
+    installed = os.stat(spec.origin)  # an upgrade or reinstall rewrites it: a new key
+    key = json.dumps([_CACHE_FORMAT, spec.origin, installed.st_mtime_ns, installed.st_size, config], sort_keys=True)
+    from .storage import default_cache_dir
+
+    root = Path(os.environ.get("CKPTFLOW_CONFIG_CACHE") or default_cache_dir() / "saved-tensors")
+    return root / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+
+
+def _store(cache: Path, data: dict) -> None:
+    """Write atomically; a cache that cannot be written only costs the next merge its imports."""
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_name(f".{cache.name}.{os.getpid()}")
+        partial.write_text(json.dumps(data))
+        os.replace(partial, cache)
+    except OSError:
+        pass
