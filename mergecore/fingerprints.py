@@ -29,7 +29,7 @@ OUTPUT_CODE = (
     "writer.py", "remote_writer.py", "merge.py", "output.py", "storage.py", "hub_layout.py", "lora.py",
 )
 NOT_OUTPUT_CODE = (
-    "__init__.py", "api.py", "card.py", "completeness.py", "errors.py", "fingerprints.py", "hub.py", "inspect.py",
+    "__init__.py", "api.py", "card.py", "completeness.py", "config_check.py", "errors.py", "fingerprints.py", "hub.py", "inspect.py",
     "nonfinite.py", "publish.py", "remote_verify.py", "targets/__init__.py", "targets/base.py", "targets/local.py",
     "targets/lock.py", "targets/remote.py",
     "retries.py", "tensorio.py", "verify.py",

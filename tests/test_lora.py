@@ -228,7 +228,7 @@ def test_dense_lora_merge_imports_transformers_once_per_config(lora_full, tmp_pa
 
     program = ("import sys\nfrom flows.cli import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as done:\n"
                "    assert not done.code, done.code\nprint('imported:', sorted(m for m in ('transformers', 'torch') if m in sys.modules))")
-    env = {**os.environ, "CKPTFLOW_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "CKPTFLOW_CONFIG_CACHE": str(tmp_path / "cache")}
     imported = []
     for target in (tmp_path / "first", tmp_path / "second"):
         run = subprocess.run([sys.executable, "-c", program, "merge", "--local_dir", str(lora_full.run_root),

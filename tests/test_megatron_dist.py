@@ -340,7 +340,7 @@ def test_merge_imports_no_torch_and_streams_within_a_tiny_budget(dist, case, tmp
     merge, here `prepare` in this process, asks transformers), and with a 4 KB chunk budget (every tensor in many row
     blocks, fused QKV and [gate; up] parts and the padded vocabulary included) the output equals save_pretrained's."""
     ckpt = dist(case)
-    prepare(str(ckpt.role_dir))  # the session's CKPTFLOW_CACHE_DIR, which the fresh process inherits
+    prepare(str(ckpt.role_dir))  # the session's CKPTFLOW_CONFIG_CACHE, which the fresh process inherits
     assert merge_in_a_fresh_process(ckpt.role_dir, tmp_path / "out", "4KB") == []
     assert compare_with_reference(tmp_path / "out", ckpt.reference_dir)["max_abs_diff"] == 0.0
     verify_round_trip(open_checkpoint(str(ckpt.role_dir)), tmp_path / "out", {})
