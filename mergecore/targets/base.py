@@ -46,10 +46,10 @@ class Target:
     def check(self, overwrite: bool, sources: Iterable[str] = ()) -> None:
         """Refuse, before anything is read or written: a target that is, contains or lies inside a checkpoint
         folder in `sources`; a non-empty target without `overwrite`; and, even with it, one that holds anything
-        but a model ckptflow published."""
+        but a model ckptflow published. It only looks (repairs are `stage`'s, under the lock), so it may run
+        before the lock is taken, while another writer publishes."""
         for source in sources:
             check_apart(self.url, source)
-        self.repair()
         self._check_replaceable(overwrite)
 
     def stage(self, prepared, overwrite: bool, room: int = 0, sources: Iterable[str] = ()) -> dict:
