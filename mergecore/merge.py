@@ -21,7 +21,7 @@ from .lora import lora_view, write_adapter_beside
 from .layout import EMBEDDING, OUTPUT, check_against_config, tied_embeddings
 from .nonfinite import check_nonfinite_policy, nonfinite_error
 from .plan import MergePlan, make_plan, parse_size
-from .storage import Location
+from .storage import Location, publishable_files
 from .writer import PARTIAL_SUFFIX, TensorWriter, prepare_files, room_checked
 
 class Stopwatch:
@@ -114,7 +114,10 @@ def prepare(
     ['model-00001-of-00001.safetensors']
     """
     source = source or open_checkpoint(checkpoint, role, backend, hf_dir, custom_mapping)  # or one already opened
+    opened_hf_dir = source.hf_dir
     source = merge_view(source, lora)  # fused LoRA, then the Hub's layout
+    if source.hf_dir != opened_hf_dir:  # a save_lora_only merge takes the base model's: checked like the checkpoint's
+        publishable_files(source.hf_dir, source.location)
     config = read_hf_config(source)
     source.validate(check_replicas=check_replicas)
     shapes = {name: info.shape for name, info in source.tensors().items()}

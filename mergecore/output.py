@@ -16,6 +16,7 @@ from .card import CARD_FILE, model_card
 from .errors import VerificationError
 from .formats import CheckpointSource
 from .plan import INDEX_FILE, MergePlan
+from .storage import checked_publishable, link_root, publishable_files
 
 MANIFEST_FILE = "ckptflow_manifest.json"
 # Weight files in huggingface/ describe the base model, not the trained one: never copied. Nor is its model
@@ -51,14 +52,22 @@ def output_config(config: dict, plan: MergePlan) -> dict:
 
 
 def copy_hf_files(source: CheckpointSource, folder: Path) -> list[str]:
-    """Copy tokenizer, generation config, chat template, custom code... verbatim from huggingface/."""
-    copied = []
+    """Copy tokenizer, generation config, chat template, custom code... from huggingface/: its regular files
+    inside the checkpoint (`storage.publishable_files`, checked again here as each is opened), as new files with
+    ordinary permissions (the umask's), never the source's mode.
+
+    >>> copy_hf_files(open_checkpoint("ckpts/run1"), Path("out/.model.ckptflow-partial"))  # doctest: +SKIP
+    ['generation_config.json', 'tokenizer.json', 'tokenizer_config.json']
+    """
     hf_dir = source.hf_dir
-    for name in hf_dir.listdir():
-        entry = hf_dir.join(name)
-        if name in _NOT_COPIED_NAMES or name.endswith(_NOT_COPIED) or entry.isdir():
+    if hf_dir is None:
+        return []
+    root = link_root(hf_dir, source.location)
+    copied = []
+    for name in publishable_files(hf_dir, source.location):
+        if name in _NOT_COPIED_NAMES or name.endswith(_NOT_COPIED):
             continue
-        with entry.open("rb") as src, open(folder / name, "wb") as dst:
+        with checked_publishable(hf_dir.join(name), root) as src, open(folder / name, "wb") as dst:
             shutil.copyfileobj(src, dst)
         copied.append(name)
     return copied
