@@ -59,18 +59,26 @@ def copy_hf_files(source: CheckpointSource, folder: Path) -> list[str]:
     >>> copy_hf_files(open_checkpoint("ckpts/run1"), Path("out/.model.ckptflow-partial"))  # doctest: +SKIP
     ['generation_config.json', 'tokenizer.json', 'tokenizer_config.json']
     """
-    hf_dir = source.hf_dir
-    if hf_dir is None:
-        return []
-    root = link_root(hf_dir, source.location)
-    copied = []
-    for name in publishable_files(hf_dir, source.location):
-        if name in _NOT_COPIED_NAMES or name.endswith(_NOT_COPIED):
-            continue
-        with checked_publishable(hf_dir.join(name), root) as src, open(folder / name, "wb") as dst:
+    copied = copied_names(source)
+    root = link_root(source.hf_dir, source.location) if copied else None
+    for name in copied:
+        with checked_publishable(source.hf_dir.join(name), root) as src, open(folder / name, "wb") as dst:
             shutil.copyfileobj(src, dst)
-        copied.append(name)
     return copied
+
+
+def copied_names(source: CheckpointSource) -> list[str]:
+    """The files of the checkpoint's huggingface/ folder that a merge copies verbatim (and `verify` compares):
+    its publishable files (`storage.publishable_files`) but the base model's weights, config.json (rewritten:
+    `output_config`), its model card and any manifest.
+
+    >>> copied_names(open_checkpoint("ckpts/run1"))  # doctest: +SKIP
+    ['generation_config.json', 'tokenizer.json', 'tokenizer_config.json']
+    """
+    if source.hf_dir is None:
+        return []
+    return [name for name in publishable_files(source.hf_dir, source.location)
+            if name not in _NOT_COPIED_NAMES and not name.endswith(_NOT_COPIED)]
 
 
 class BackgroundHashes:
