@@ -303,6 +303,7 @@ def load_manifest(folder) -> dict:
     files, source = manifest.get("files"), manifest.get("source")
     if not (isinstance(files, dict) and all(isinstance(e, dict) and "sha256" in e and "size" in e for e in files.values())
             and all(isinstance(name, str) and _inside_folder(name) for name in files)
-            and isinstance(source, dict) and isinstance(source.get("location"), str)):
+            and isinstance(source, dict) and isinstance(source.get("location"), str)
+            and isinstance(source.get("options", {}), dict) and isinstance(manifest.get("aliases", {}), dict)):
         raise CheckpointError(f"{path}: lacks its files or source entries; {fix}")
     return manifest
