@@ -284,8 +284,14 @@ def verify(
         None, "--custom-mapping", "--custom_mapping", help="Name patterns for the source (default: the merge's, from its manifest)."),
     hf_model_path: Optional[str] = typer.Option(
         None, "--hf_model_path", "--hf-model-path", help="Folder with config.json for the source (default: the merge's, from its manifest)."),
+    source: Optional[str] = typer.Option(
+        None, "--source", help="The checkpoint the folder was merged from (default: the manifest's, used only when a local path)."),
 ):
-    """Re-check a merged folder: manifest hashes, round-trip against the source shards, optional reference."""
+    """Re-check a merged folder: manifest hashes (and nothing beside them), the files copied from the source's
+    huggingface/, round-trip against the source shards, optional reference.
+
+    A manifest's source is opened only when it is a local path or given with --source: verifying a downloaded
+    model never contacts a host its manifest names."""
     from mergecore.verify import reference_checks
 
     if not reference and (logits or trust_remote_code or atol is not None or rtol is not None):
@@ -296,47 +302,52 @@ def verify(
 
     place = open_target(target)
     if isinstance(place, LocalTarget):
-        results = verify_folder(place.path, skip_source, custom_mapping, hf_model_path)
+        results = verify_folder(place.path, skip_source, custom_mapping, hf_model_path, source)
     else:  # file by file, by ranged reads: no whole local copy
-        results = verify_remote_folder(place.url, skip_source, custom_mapping, hf_model_path)
+        results = verify_remote_folder(place.url, skip_source, custom_mapping, hf_model_path, source)
     if reference:
         with place.local_copy() as folder:  # a remote model is compared from a local copy of its files
             results += reference_checks(folder, reference, trust_remote_code, logits, atol, rtol)
     print_checks(results)
 
 
-def verify_folder(folder: Path, skip_source: bool, custom_mapping: Optional[str], hf_model_path: Optional[str]) -> list:
-    """Manifest hashes and (unless `skip_source`) the round trip against the source shards."""
+def verify_folder(folder: Path, skip_source: bool, custom_mapping: Optional[str], hf_model_path: Optional[str],
+                  source_path: Optional[str] = None) -> list:
+    """Manifest hashes and (unless `skip_source`) the copied files and the round trip against the source."""
     from mergecore import verify_manifest, verify_round_trip
-    from mergecore.verify import load_manifest
+    from mergecore.verify import load_manifest, verify_copied_files
 
     results = [verify_manifest(folder)]
     if not skip_source:
         manifest = load_manifest(folder)
-        source = merged_source(manifest, custom_mapping, hf_model_path)
+        source = merged_source(manifest, custom_mapping, hf_model_path, source_path)
+        results.append(verify_copied_files(folder, source, manifest))
         results.append(verify_round_trip(source, folder, manifest.get("aliases", {})))
     return results
 
 
 def verify_remote_folder(target: str, skip_source: bool, custom_mapping: Optional[str],
-                         hf_model_path: Optional[str]) -> list:
+                         hf_model_path: Optional[str], source_path: Optional[str] = None) -> list:
     """`verify_folder` for a model on object storage: file by file, by ranged reads, no whole local copy."""
     from mergecore import open_target
     from mergecore.remote_verify import verify_remote
 
     manifest = open_target(target).require_manifest()
-    source = None if skip_source else merged_source(manifest, custom_mapping, hf_model_path)
+    source = None if skip_source else merged_source(manifest, custom_mapping, hf_model_path, source_path)
     return verify_remote(target, source, manifest)
 
 
-def merged_source(manifest: dict, custom_mapping: Optional[str], hf_model_path: Optional[str]):
-    """The checkpoint a manifest names, opened as its merge opened it (options, LoRA fused, Hub layout)."""
+def merged_source(manifest: dict, custom_mapping: Optional[str], hf_model_path: Optional[str],
+                  source_path: Optional[str] = None):
+    """The checkpoint a manifest names (or `source_path`), opened as its merge opened it (options, LoRA fused, Hub
+    layout); a location from the manifest only when local (`verify.manifest_source`)."""
     from mergecore import open_checkpoint
     from mergecore.merge import merge_view
+    from mergecore.verify import manifest_source
 
+    location, hf_dir = manifest_source(manifest, source_path, hf_model_path)
     used = {**manifest["source"].get("options", {})}  # how the merge opened it
-    source = open_checkpoint(manifest["source"]["location"], backend=used.get("backend") or "auto",
-                             hf_dir=hf_model_path or used.get("hf_dir"),
+    source = open_checkpoint(location, backend=used.get("backend") or "auto", hf_dir=hf_dir,
                              custom_mapping=custom_mapping or used.get("custom_mapping")
                              or manifest["source"].get("custom_mapping"))
     return merge_view(source, used.get("lora"))  # as merged: fused LoRA (base and adapter pieces), Hub layout

@@ -156,7 +156,9 @@ def read_hyperparameters(source: CheckpointSource, names: Iterable[str], overrid
         if len(ranks) != 1:
             raise CheckpointError(f"{source.location}: adapters of ranks {sorted(ranks)}; pass --lora-r (per-module ranks are not supported)")
         r, origin["r"] = ranks.pop(), "tensors"
-    elif {int(r)} != ranks:
+    elif isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise CheckpointError(f"{origin['r']}: r {r!r} is not a positive whole number; fix it or pass --lora-r")
+    elif {r} != ranks:
         raise CheckpointError(
             f"{origin['r']}: says r={r} but the lora_A tensors have rank {sorted(ranks)}; fix it or pass --lora-r {min(ranks)}"
         )
@@ -167,6 +169,9 @@ def read_hyperparameters(source: CheckpointSource, names: Iterable[str], overrid
     targets = pick("target_modules", "--target-modules", ("target_modules",))
     if isinstance(targets, str):
         targets = tuple(t for t in re.split(r"[,\s]+", targets) if t)
+    if targets is not None and not (isinstance(targets, (list, tuple)) and all(isinstance(t, str) for t in targets)):
+        raise CheckpointError(f"{origin['target_modules']}: target_modules {targets!r} is not a list of module names; "
+                              "fix it or pass --target-modules")
     if targets is None or targets == "all-linear":
         targets, origin["target_modules"] = found_modules, "tensors"
     stray = sorted(set(found_modules) - set(targets))

@@ -197,9 +197,11 @@ def load_custom_mapping(path: str) -> Table:
         raise CheckpointError(f"--custom-mapping {path}: must map Megatron patterns to [hf pattern, kind]")
     table: Table = {}
     for pattern, row in data.items():
+        if not isinstance(pattern, str):  # YAML keys may be numbers, lists...
+            raise CheckpointError(f"--custom-mapping {path}: key {pattern!r} is not a Megatron name pattern (text)")
         if isinstance(row, dict):
             row = [row.get("hf"), row.get("kind")]
-        if not (isinstance(row, (list, tuple)) and len(row) == 2 and row[1] in KINDS
+        if not (isinstance(row, (list, tuple)) and len(row) == 2 and isinstance(row[1], str) and row[1] in KINDS
                 and (isinstance(row[0], str) or (isinstance(row[0], list) and all(isinstance(h, str) for h in row[0])))):
             raise CheckpointError(
                 f"--custom-mapping {path}: entry {pattern!r} must be [hf pattern (or list), kind] with kind one of "

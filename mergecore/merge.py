@@ -23,6 +23,7 @@ from .layout import EMBEDDING, OUTPUT, tied_embeddings
 from .lora import lora_view, write_adapter_beside
 from .nonfinite import check_nonfinite_policy, checked_blocks
 from .plan import MergePlan, make_plan
+from .storage import publishable_files
 from .writer import TensorWriter
 
 
@@ -116,7 +117,10 @@ def prepare(
     ['model-00001-of-00001.safetensors']
     """
     source = source or open_checkpoint(checkpoint, role, backend, hf_dir, custom_mapping)  # or one already opened
+    opened_hf_dir = source.hf_dir
     source = merge_view(source, lora)  # fused LoRA, then the Hub's layout
+    if source.hf_dir != opened_hf_dir:  # a save_lora_only merge takes the base model's: checked like the checkpoint's
+        publishable_files(source.hf_dir, source.location)
     config = read_hf_config(source)
     source.validate(check_replicas=check_replicas)
     tied = check_tied_embeddings(source, config, tie_word_embedding)

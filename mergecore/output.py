@@ -17,6 +17,7 @@ from .card import CARD_FILE, model_card
 from .errors import VerificationError
 from .formats import CheckpointSource
 from .plan import INDEX_FILE, MergePlan
+from .storage import checked_publishable, link_root, publishable_files
 
 MANIFEST_FILE = "ckptflow_manifest.json"
 STAGING_MARKER = ".ckptflow-staging"  # in a staging folder ckptflow made (targets/local.py); never published
@@ -53,17 +54,33 @@ def output_config(config: dict, plan: MergePlan) -> dict:
 
 
 def copy_hf_files(source: CheckpointSource, folder: Path) -> list[str]:
-    """Copy tokenizer, generation config, chat template, custom code... verbatim from huggingface/."""
-    copied = []
-    hf_dir = source.hf_dir
-    for name in hf_dir.listdir():
-        entry = hf_dir.join(name)
-        if name in _NOT_COPIED_NAMES or name.endswith(_NOT_COPIED) or entry.isdir():
-            continue
-        with entry.open("rb") as src, open(folder / name, "wb") as dst:
+    """Copy tokenizer, generation config, chat template, custom code... from huggingface/: its regular files
+    inside the checkpoint (`storage.publishable_files`, checked again here as each is opened), as new files with
+    ordinary permissions (the umask's), never the source's mode.
+
+    >>> copy_hf_files(open_checkpoint("ckpts/run1"), Path("out/.model.ckptflow-partial"))  # doctest: +SKIP
+    ['generation_config.json', 'tokenizer.json', 'tokenizer_config.json']
+    """
+    copied = copied_names(source)
+    root = link_root(source.hf_dir, source.location) if copied else None
+    for name in copied:
+        with checked_publishable(source.hf_dir.join(name), root) as src, open(folder / name, "wb") as dst:
             shutil.copyfileobj(src, dst)
-        copied.append(name)
     return copied
+
+
+def copied_names(source: CheckpointSource) -> list[str]:
+    """The files of the checkpoint's huggingface/ folder that a merge copies verbatim (and `verify` compares):
+    its publishable files (`storage.publishable_files`) but the base model's weights, config.json (rewritten:
+    `output_config`), its model card and any manifest.
+
+    >>> copied_names(open_checkpoint("ckpts/run1"))  # doctest: +SKIP
+    ['generation_config.json', 'tokenizer.json', 'tokenizer_config.json']
+    """
+    if source.hf_dir is None:
+        return []
+    return [name for name in publishable_files(source.hf_dir, source.location)
+            if name not in _NOT_COPIED_NAMES and not name.endswith(_NOT_COPIED)]
 
 
 class BackgroundHashes:

@@ -157,8 +157,10 @@ def read_json(path, fix: str = "restore it from where it came") -> dict:
         value = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; {fix}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path}: not valid JSON ({str(err).splitlines()[0]}); {fix}") from None
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError, and an integer too long to convert
+        raise CheckpointError(f"{path}: not valid JSON ({(str(err).splitlines() or [''])[0][:120]}); {fix}") from None
+    except RecursionError:  # nested deeper than the parser's stack
+        raise CheckpointError(f"{path}: not valid JSON (nested too deeply); {fix}") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: holds a JSON {type(value).__name__}, not an object; {fix}")
     return value

@@ -9,6 +9,8 @@ And `verify_manifest`: every file's sha256 still matches the manifest.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,9 +19,11 @@ import numpy as np
 from .arrays import bitwise_equal, cast, dtype_of
 from .errors import CheckpointError, VerificationError
 from .formats import CheckpointSource
+from .card import CARD_FILE
 from .output import MANIFEST_FILE, sha256_file
-from .storage import Location
-from .tensorio import HfWeights, read_json
+from .plan import INDEX_FILE
+from .storage import Location, checked_publishable, link_root
+from .tensorio import WEIGHT_SUFFIXES, HfWeights, read_json
 
 
 def verify_round_trip(source: CheckpointSource, folder: Path, aliases: dict[str, str], workers: int = 2) -> dict:
@@ -50,6 +54,11 @@ def verify_manifest(folder: Path, full: bool = True) -> dict:
     """Every file named in the manifest is there and unchanged: re-hashed, or with `full=False`
     only its size and modification time compared (enough to notice any ordinary write)."""
     manifest = load_manifest(folder)
+    unlisted = unlisted_files(folder, manifest)
+    if unlisted:
+        raise VerificationError(f"{folder}: holds {len(unlisted)} file(s) its {MANIFEST_FILE} does not list "
+                                f"({', '.join(unlisted[:3])}); they are not part of the merged model: remove them "
+                                "or merge again")
     for name, entry in manifest["files"].items():
         path = folder / name
         if not path.exists():
@@ -60,6 +69,61 @@ def verify_manifest(folder: Path, full: bool = True) -> dict:
         if changed:
             raise file_changed(path)
     return {"check": "manifest" if full else "manifest (size, mtime)", "files": len(manifest["files"]), "ok": True}
+
+
+def unlisted_files(folder: Path, manifest: dict) -> list[str]:
+    """Everything in `folder` (files, links, special files, at any depth) the manifest does not list, sorted:
+    a published folder holds exactly its manifest's files (and the manifest). Folders themselves are not named."""
+    listed = {*manifest["files"], MANIFEST_FILE}
+    return sorted(p.relative_to(folder).as_posix() for p in Path(folder).rglob("*")
+                  if (p.is_symlink() or not p.is_dir()) and p.relative_to(folder).as_posix() not in listed)
+
+
+def verify_copied_files(folder: Path, source: CheckpointSource, manifest: dict) -> dict:
+    """The files a merge copied from the source's huggingface/ (tokenizer, chat template, generation config...)
+    are byte for byte the source's, none is missing or added, and config.json is what the merge writes from the
+    source's (`output.output_config`: the source's config declaring the dtype written). A hash in the manifest
+    proves only that a file did not change since the manifest was written; this ties them to the checkpoint.
+
+    >>> verify_copied_files(Path("out/model"), merged_source, load_manifest("out/model"))["files"]  # doctest: +SKIP
+    4
+    """
+    from .formats.base import read_hf_config
+    from .output import copied_names
+
+    expected = copied_names(source)
+    weights = {name for name in manifest["files"] if name.endswith(WEIGHT_SUFFIXES)}
+    described = {name for name in manifest["files"] if "/" not in name and name not in weights
+                 and name not in (INDEX_FILE, "config.json", CARD_FILE, MANIFEST_FILE)}
+    odd = sorted(described ^ set(expected))
+    if odd:
+        raise VerificationError(f"{folder}: its copied files differ from {source.hf_dir}'s ({', '.join(odd[:3])}); "
+                                "the folder was not merged from this checkpoint's huggingface/ folder: merge again")
+    for name in expected:
+        with checked_publishable(source.hf_dir.join(name), link_root(source.hf_dir, source.location)) as theirs:
+            if hashlib.sha256(theirs.read()).hexdigest() != sha256_file(folder / name):
+                raise VerificationError(f"{folder / name}: differs from {source.hf_dir.join(name)}; the copied file "
+                                        "was changed after the merge: merge again")
+    config = read_hf_config(source)
+    written = read_json(folder / "config.json", fix="merge again")
+    if written != _expected_config(config, source, manifest):
+        raise VerificationError(f"{folder / 'config.json'}: is not the config.json a merge writes from "
+                                f"{source.hf_dir.join('config.json')}; it was changed after the merge: merge again")
+    return {"check": "copied files", "files": len(expected) + 1, "ok": True}
+
+
+def _expected_config(config: dict, source: CheckpointSource, manifest: dict) -> dict:
+    """config.json as the merge recorded in `manifest` writes it from the source's `config`."""
+    from .dtypes import resolve_dtype
+    from .layout import tied_embeddings
+    from .output import output_config
+    from .plan import make_plan, parse_size
+
+    options = manifest["source"].get("options") or {}
+    dtype = resolve_dtype(str(options.get("dtype") or "auto"), config)
+    plan = make_plan(str(source.location), source.tensors(), dtype, tied_embeddings(config),
+                     parse_size(options.get("max_shard_size") or "5GB"))
+    return json.loads(json.dumps(output_config(config, plan)))  # as written: JSON types
 
 
 # The wording of a failed check, shared with the file-by-file check of a model on object storage (remote_verify).
@@ -193,6 +257,38 @@ def compare_logits(
     return result
 
 
+def manifest_source(manifest: dict, source: str | None = None, hf_dir: str | None = None) -> tuple[str, str | None]:
+    """(checkpoint, hf_dir) that `verify` reopens for a manifest: the user's (`--source`, `--hf_model_path`) when
+    given, else the manifest's own only where they are local paths. A downloaded model's manifest is not the
+    user's word: a URL in it (`http://169.254.169.254/...`, someone's bucket) is never contacted; that is a
+    one-line CheckpointError saying how to pass the checkpoint.
+
+    >>> manifest_source({"source": {"location": "s3://ckpts/run1/actor"}}, source="s3://ckpts/run1/actor")
+    ('s3://ckpts/run1/actor', None)
+    """
+    recorded = manifest["source"]
+    options = recorded.get("options") or {}
+    location = source or _local_only(recorded["location"], "its source checkpoint", "--source CHECKPOINT")
+    folder = hf_dir or (options.get("hf_dir") and _local_only(options["hf_dir"], "its huggingface/ folder",
+                                                              "--hf_model_path FOLDER"))
+    base_model = (options.get("lora") or {}).get("base_model") if isinstance(options.get("lora"), dict) else None
+    if base_model and not Path(str(base_model)).expanduser().is_dir():
+        raise CheckpointError(f"{MANIFEST_FILE}: names the base model {base_model!r}, not a local folder; verify "
+                              "does not download what a manifest names: pass --skip-source (hashes only)")
+    return location, folder
+
+
+def _local_only(value, what: str, flag: str) -> str:
+    try:
+        local = isinstance(value, str) and Location.of(value).is_local
+    except (ValueError, ImportError):  # a protocol fsspec does not know
+        local = False
+    if not local:
+        raise CheckpointError(f"{MANIFEST_FILE}: names {what} as {value!r}, not a local path; verify never contacts "
+                              f"a location a manifest names: pass {flag} if you trust it (or --skip-source)")
+    return value
+
+
 def _inside_folder(name: str) -> bool:
     """A manifest file name: a plain name, or one folder deep (a LoRA merge's `lora_adapter/...`); never `..`."""
     parts = name.split("/")
@@ -207,6 +303,7 @@ def load_manifest(folder) -> dict:
     files, source = manifest.get("files"), manifest.get("source")
     if not (isinstance(files, dict) and all(isinstance(e, dict) and "sha256" in e and "size" in e for e in files.values())
             and all(isinstance(name, str) and _inside_folder(name) for name in files)
-            and isinstance(source, dict) and isinstance(source.get("location"), str)):
+            and isinstance(source, dict) and isinstance(source.get("location"), str)
+            and isinstance(source.get("options", {}), dict) and isinstance(manifest.get("aliases", {}), dict)):
         raise CheckpointError(f"{path}: lacks its files or source entries; {fix}")
     return manifest

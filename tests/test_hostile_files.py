@@ -527,3 +527,129 @@ def test_hand_written_pickles_round_trip_a_real_file(dist_ckpt, tmp_path):
     data = (tmp_path / "w.pt").read_bytes()
     (tmp_path / "again.pt").write_bytes(rewrite_archive(data, to_pickle(to_tree(archive_pickle(data)))))
     assert torch.equal(torch.load(tmp_path / "again.pt", weights_only=True)["w"], saved["w"])
+
+
+# ---- hostile metadata files (issue 18, item 6): every JSON/YAML a merge or verify reads -----------------------
+# Each is refused through the real CLI in one line naming the file, exit 2, nothing written. Kept apart from the
+# archive cases above.
+
+DEEP = '{"a": ' + "[" * 200_000 + "]" * 200_000 + "}"  # deeper than the JSON parser's stack
+
+
+def refused_in_one_line(result, target: Path, *fragments: str) -> None:
+    assert result.exit_code == 2, (result.exit_code, result.output, result.stderr)
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error:"), result.stderr
+    assert all(fragment in errors[0] for fragment in fragments), errors[0]
+    assert not target.exists()
+    assert not list(target.parent.glob(f".{target.name}.ckptflow-*")), "a staging folder was left behind"
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    path.write_text(text)
+    return path
+
+
+FSDP_METADATA = {  # file under the role folder, content, fragment of the one-line error
+    "config-deeply-nested": ("huggingface/config.json", DEEP, "nested too deeply"),
+    "config-huge-integer": ("huggingface/config.json", '{"hidden_size": ' + "9" * 5000 + "}", "not valid JSON"),
+    "fsdp_config-deeply-nested": ("fsdp_config.json", DEEP, "nested too deeply"),
+    "fsdp_config-world_size-list": ("fsdp_config.json", '{"FSDP_version": 2, "world_size": [2]}', "world_size"),
+    "fsdp_config-world_size-string": ("fsdp_config.json", '{"FSDP_version": 2, "world_size": "2"}', "world_size"),
+}
+
+
+@pytest.mark.parametrize("case", FSDP_METADATA)
+def test_hostile_fsdp_metadata_is_refused(case, demo, cli, tmp_path):
+    name, content, fragment = FSDP_METADATA[case]
+    ckpt = copy_run(demo("fsdp2-w2"), tmp_path / "ckpt")
+    path = _write(ckpt.role_dir / name, content)
+    target = tmp_path / "out" / "model"
+    result = cli("merge", "--backend", "fsdp", "--local_dir", ckpt.role_dir, "--target_dir", target)
+    refused_in_one_line(result, target, path.name, fragment)
+
+
+LORA_METADATA = {  # lora_train_meta.json / adapter_config.json beside the rank files of a full LoRA save
+    "meta-r-text": ("lora_train_meta.json", '{"r": "eight", "lora_alpha": 16}', "not a positive whole number"),
+    "meta-r-list": ("lora_train_meta.json", '{"r": [8], "lora_alpha": 16}', "not a positive whole number"),
+    "meta-alpha-text": ("lora_train_meta.json", '{"r": 8, "lora_alpha": "16"}', "not a positive number"),
+    "meta-targets-number": ("lora_train_meta.json", '{"lora_alpha": 16, "target_modules": 5}',
+                            "not a list of module names"),
+    "meta-deeply-nested": ("lora_train_meta.json", DEEP, "nested too deeply"),
+    "adapter-config-r-float": ("adapter_config.json", '{"r": 8.5, "lora_alpha": 16}', "not a positive whole number"),
+}
+
+
+@pytest.mark.parametrize("case", LORA_METADATA)
+def test_hostile_lora_metadata_is_refused(case, demo, cli, tmp_path):
+    name, content, fragment = LORA_METADATA[case]
+    ckpt = copy_run(demo("lora-full"), tmp_path / "ckpt")
+    for stale in ("lora_train_meta.json", "adapter_config.json"):  # the file read is the one written here
+        (ckpt.role_dir / stale).unlink(missing_ok=True)
+    path = _write(ckpt.role_dir / name, content)
+    target = tmp_path / "out" / "model"
+    result = cli("merge", "--local_dir", ckpt.role_dir, "--target_dir", target)
+    refused_in_one_line(result, target, path.name, fragment)
+
+
+CUSTOM_MAPPINGS = {  # a --custom-mapping file for a Megatron checkpoint
+    "yaml-a-list": ("map.yaml", "- decoder.x\n- model.x\n", "must map Megatron patterns"),
+    "yaml-number-key": ("map.yaml", "1: [model.x, plain]\n", "not a Megatron name pattern"),
+    "yaml-kind-a-list": ("map.yaml", "decoder.x: [model.x, [column]]\n", "with kind one of"),
+    "yaml-hf-a-number": ("map.yaml", "decoder.x: {hf: 5, kind: column}\n", "with kind one of"),
+    "yaml-not-yaml": ("map.yaml", "a: [b\n", "cannot be parsed"),
+    "json-deeply-nested": ("map.json", DEEP, "cannot be parsed"),
+}
+
+
+@pytest.mark.parametrize("case", CUSTOM_MAPPINGS)
+def test_hostile_custom_mappings_are_refused(case, legacy_ckpt, cli, tmp_path):
+    name, content, fragment = CUSTOM_MAPPINGS[case]
+    mapping = _write(tmp_path / name, content)
+    target = tmp_path / "out" / "model"
+    result = cli("merge", "--local_dir", legacy_ckpt.role_dir, "--target_dir", target, "--custom-mapping", mapping)
+    refused_in_one_line(result, target, mapping.name, fragment)
+
+
+MANIFESTS = {  # the manifest of a merged folder, replaced
+    "files-a-list": '{"files": [], "source": {"location": "/x"}}',
+    "files-entry-a-string": '{"files": {"config.json": "abc"}, "source": {"location": "/x"}}',
+    "source-options-text": '{"files": {}, "source": {"location": "/x", "options": "fsdp"}}',
+    "aliases-a-list": '{"files": {}, "source": {"location": "/x"}, "aliases": []}',
+    "deeply-nested": DEEP,
+}
+
+
+@pytest.mark.parametrize("case", MANIFESTS)
+def test_hostile_manifests_are_refused_by_verify(case, demo, cli, tmp_path):
+    out = tmp_path / "out"
+    assert cli("merge", "--local_dir", demo("fsdp2-w2").role_dir, "--target_dir", out).exit_code == 0
+    _write(out / "ckptflow_manifest.json", MANIFESTS[case])
+    result = cli("verify", out)
+    message = result.stderr.strip()
+    assert result.exit_code == 2, result.output
+    assert message.startswith("error:") and "\n" not in message and "ckptflow_manifest.json" in message, message
+
+
+INDEXES = {  # model.safetensors.index.json of a reference folder (`ckptflow test --test_hf_dir`)
+    "weight_map-a-list": '{"weight_map": ["model.safetensors"]}',
+    "weight_map-file-a-number": '{"weight_map": {"model.norm.weight": 5}}',
+    "not-an-object": "[1, 2]",
+    "deeply-nested": DEEP,
+}
+
+
+@pytest.mark.parametrize("case", INDEXES)
+def test_hostile_indexes_are_refused(case, demo, cli, tmp_path):
+    import shutil
+
+    ckpt = demo("fsdp2-w2")
+    reference = tmp_path / "reference"
+    shutil.copytree(ckpt.reference_dir, reference)
+    _write(reference / "model.safetensors.index.json", INDEXES[case])
+    result = cli("test", "--local_dir", ckpt.role_dir, "--test_hf_dir", reference)
+    assert result.exit_code == 2, result.output
+    assert "model.safetensors.index.json" in result.stderr.split("error:", 1)[-1]
+    assert len(result.stderr.split("error:", 1)[-1].strip().splitlines()) == 1

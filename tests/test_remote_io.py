@@ -114,7 +114,7 @@ def source_of(published: str) -> str:
 
 
 def test_verify_reads_a_remote_model_and_detects_a_tampered_file(s3_env, published, cli):
-    result = cli("verify", published)
+    result = cli("verify", published, "--source", source_of(published))  # an s3:// source only when passed
     assert result.exit_code == 0, result.output
     assert "round-trip" in result.output
 
@@ -158,7 +158,7 @@ def test_a_crash_before_the_manifest_leaves_no_visible_model(s3_env, published, 
     manifest = merge_checkpoint(source_of(published), published, dtype="float32", overwrite=True)
     assert manifest["dtype"] == "float32"
     assert manifest["groups_written"] == list(records.values())  # the files written before the crash were kept
-    assert cli("verify", published).exit_code == 0
+    assert cli("verify", published, "--source", source_of(published)).exit_code == 0
 
 
 def test_promotion_from_s3_to_s3_equals_the_local_merge(prefect_server, s3_env, demo, cli, tmp_path):
@@ -173,7 +173,7 @@ def test_promotion_from_s3_to_s3_equals_the_local_merge(prefect_server, s3_env, 
     remote = objects(s3_env, "io-models/io4")
     for path in (tmp_path / "local").glob("*.safetensors"):
         assert remote[path.name] == path.read_bytes(), path.name
-    assert MANIFEST in remote and cli("verify", "s3://io-models/io4").exit_code == 0
+    assert MANIFEST in remote and cli("verify", "s3://io-models/io4", "--source", source).exit_code == 0
 
     rerun = cli("promote", source, "--target", "s3://io-models/io4")  # the target holds this merge: nothing runs
     assert rerun.exit_code == 0, rerun.output
