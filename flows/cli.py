@@ -531,11 +531,16 @@ def deploy(
     hub_org: Optional[str] = typer.Option(None, "--hub-org", help="Hub organisation events push to ({org}/{run}, "
                                           "branch step-{N}); default: what the deployment already has, else no push."),
     pool: str = typer.Option("ckptflow-process", "--pool", help="Process work pool to create and deploy to."),
+    checkpoint_root: Optional[str] = typer.Option(None, "--checkpoint-root", help="Folder or URL prefix (s3://bucket/ckpts) "
+                                                  "the checkpoints events name must lie below; default: what the deployment already has."),
+    revision_pattern: Optional[str] = typer.Option(None, "--revision-pattern", help="Hub branches events may name besides "
+                                                   "the derived step-N (a regex, full match; never refs/...); \"\" removes it."),
 ):
     """Create the work pool and apply deployments/prefect.yaml (and its triggers) to PREFECT_API_URL; idempotent."""
     from flows.deploy import apply_deployments
 
-    for line in apply_deployments(target_root, hub_org, pool):
+    for line in apply_deployments(target_root, hub_org, pool, checkpoint_root=checkpoint_root,
+                                  revision_pattern=revision_pattern):
         out.print(line, highlight=False, soft_wrap=True)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager, nullcontext
 
+from flows.signals import Terminated
 from mergecore import CheckpointError, VerificationError
 
 
@@ -93,16 +94,31 @@ def run_promotion(**parameters) -> dict:
     raise first_error(state)
 
 
-def first_error(state) -> Exception:
-    """The exception that failed a run: ours when it is ours, else a one-line summary."""
+def first_error(state) -> BaseException:
+    """The exception that failed a run: ours when it is ours, `Terminated` when a SIGTERM caused it, else a
+    one-line summary."""
     try:
         state.result()
     except (CheckpointError, VerificationError) as error:
         return error
     except Exception as error:  # noqa: BLE001 - anything else is reported, not swallowed
-        found = _ours(error)
+        found = _ours(error) or _terminated(error)
         return found or CheckpointError(f"promotion failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
     return CheckpointError(f"promotion ended in state {state.name}: {state.message}")
+
+
+def _terminated(error: BaseException) -> Terminated | None:
+    """`Terminated` when Prefect's SIGTERM exception is behind `error`. Prefect (3.9) raises it wherever the main
+    thread is; caught while a task run is being created, it becomes "ValueError: Task run is not set" and the
+    signal is lost: without this the CLI would report that error instead of the signal, and exit 2, not 143."""
+    from prefect.exceptions import TerminationSignal
+
+    seen = error
+    while seen is not None:
+        if isinstance(seen, TerminationSignal):
+            return Terminated(seen.signal)
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _ours(error: BaseException) -> Exception | None:
