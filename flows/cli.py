@@ -18,6 +18,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from flows.signals import raise_on_sigterm, stopped
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
 out = Console()
 err = Console(stderr=True)
@@ -45,7 +47,8 @@ CPU_INIT = typer.Option(False, "--use_cpu_initialization", "--use-cpu-initializa
 
 
 def cli_errors(command):
-    """Bad input -> one line on stderr and exit code 2 (3 for failed verification)."""
+    """Bad input -> one line on stderr and exit code 2 (3 for failed verification); SIGTERM or Ctrl-C -> one
+    line and exit 143 or 130, after the cleanup the interruption unwound through (flows/signals.py)."""
 
     @functools.wraps(command)
     def run(*args, **kwargs):
@@ -53,6 +56,8 @@ def cli_errors(command):
 
         try:
             return command(*args, **kwargs)
+        except KeyboardInterrupt as interruption:  # SIGTERM arrives as flows.signals.Terminated
+            fail(*stopped(interruption))
         except CheckpointError as error:
             fail(str(error), error.exit_code)
         except OSError as error:  # a path that cannot be read or written: name it, no traceback
@@ -126,8 +131,17 @@ def write_lora_adapter(local_dir, target_dir, backend, role, hf_model_path, over
     return None
 
 
+class _Bars(Progress):
+    """A progress display that vanishes when the command fails or is interrupted: the error stays the only line."""
+
+    def __exit__(self, kind, value, traceback):
+        if kind is not None:
+            self.live.transient = True
+        return super().__exit__(kind, value, traceback)
+
+
 def _progress(unit: str = "groups") -> Progress:
-    return Progress(
+    return _Bars(
         TextColumn("[bold]{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
         TextColumn(unit), TimeElapsedColumn(), console=err, transient=False,
     )
@@ -526,11 +540,16 @@ def deploy(
     hub_org: Optional[str] = typer.Option(None, "--hub-org", help="Hub organisation events push to ({org}/{run}, "
                                           "branch step-{N}); default: what the deployment already has, else no push."),
     pool: str = typer.Option("ckptflow-process", "--pool", help="Process work pool to create and deploy to."),
+    checkpoint_root: Optional[str] = typer.Option(None, "--checkpoint-root", help="Folder or URL prefix (s3://bucket/ckpts) "
+                                                  "the checkpoints events name must lie below; default: what the deployment already has."),
+    revision_pattern: Optional[str] = typer.Option(None, "--revision-pattern", help="Hub branches events may name besides "
+                                                   "the derived step-N (a regex, full match; never refs/...); \"\" removes it."),
 ):
     """Create the work pool and apply deployments/prefect.yaml (and its triggers) to PREFECT_API_URL; idempotent."""
     from flows.deploy import apply_deployments
 
-    for line in apply_deployments(target_root, hub_org, pool):
+    for line in apply_deployments(target_root, hub_org, pool, checkpoint_root=checkpoint_root,
+                                  revision_pattern=revision_pattern):
         out.print(line, highlight=False, soft_wrap=True)
 
 
@@ -597,6 +616,7 @@ def demo_checkpoint(
 
 
 def main() -> None:
+    raise_on_sigterm()
     app(prog_name="ckptflow")
 
 

@@ -22,7 +22,9 @@ from .events import api_url
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "deployments" / "prefect.yaml"
 PROCESS_POOL = "ckptflow-process"
-BOUNDARY = ("target_root", "hub_org")
+BOUNDARY = ("target_root", "hub_org", "checkpoint_root", "revision_pattern")
+REQUIRED = {"target_root": "--target-root PATH (where its promotions may land)",
+            "checkpoint_root": "--checkpoint-root PATH_OR_URL (where the checkpoints events name may be)"}
 _ENV = re.compile(r"\{\{\s*\$(\w+)\s*\}\}")
 
 
@@ -43,26 +45,40 @@ def with_env(value, env: dict, where: str):
     return _ENV.sub(variable, value)
 
 
-def boundary_options(target_root: str | None, hub_org: str | None) -> dict:
-    """The checked --target-root (a path made absolute: the worker runs elsewhere; or an fsspec URL such as
-    s3://bucket/models, where promotions are published manifest last) and --hub-org; None where not given."""
-    if target_root is not None:
-        if "://" in target_root and not target_root.startswith("file://"):
-            target_root = target_root.rstrip("/")
-        else:
-            target_root = os.path.abspath(os.path.expanduser(target_root.removeprefix("file://")))
+def boundary_options(target_root: str | None, hub_org: str | None, checkpoint_root: str | None = None,
+                     revision_pattern: str | None = None) -> dict:
+    """The checked --target-root and --checkpoint-root (a path made absolute: the worker runs elsewhere; or an
+    fsspec URL such as s3://bucket/models, where promotions are published manifest last), --hub-org and
+    --revision-pattern (a regular expression; "" removes the deployment's); None where not given.
+
+    >>> boundary_options("s3://b/models/", "acme", "s3://ckpts", r"rc-\\d+")["revision_pattern"]
+    'rc-\\\\d+'
+    """
     if hub_org is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}", hub_org):
         raise CheckpointError(f"--hub-org {hub_org!r} is not a Hub organisation name")
-    return {"target_root": target_root, "hub_org": hub_org}
+    if revision_pattern:
+        try:
+            re.compile(revision_pattern)
+        except re.error as error:
+            raise CheckpointError(f"--revision-pattern {revision_pattern!r} is not a regular expression ({error})") from None
+    return {"target_root": _root(target_root), "hub_org": hub_org, "checkpoint_root": _root(checkpoint_root),
+            "revision_pattern": revision_pattern}
+
+
+def _root(root: str | None) -> str | None:
+    if root is None or ("://" in root and not root.startswith("file://")):
+        return root.rstrip("/") if root else root
+    return os.path.abspath(os.path.expanduser(root.removeprefix("file://")))
 
 
 def apply_deployments(target_root: str | None = None, hub_org: str | None = None, pool: str = PROCESS_POOL,
-                      spec_path: Path = SPEC) -> list[str]:
+                      spec_path: Path = SPEC, checkpoint_root: str | None = None,
+                      revision_pattern: str | None = None) -> list[str]:
     """Create the process pool and apply the deployments; one line per thing, saying what changed."""
     import httpx
 
     spec = yaml.safe_load(spec_path.read_text())
-    boundary = boundary_options(target_root, hub_org)
+    boundary = boundary_options(target_root, hub_org, checkpoint_root, revision_pattern)
     env = {"CKPTFLOW_REPO": str(REPO), **os.environ}
     url = api_url()
     from prefect.client.orchestration import get_client
@@ -128,11 +144,11 @@ def apply_one(client, spec: dict, deployment: dict, pool: str, boundary: dict, e
     for key in BOUNDARY:
         if key in schema["properties"]:
             value = boundary[key] if boundary[key] is not None else (current.parameters.get(key) if current else None)
-            if value is not None:
+            if value not in (None, ""):  # "" given: the deployment's value is removed
                 parameters[key] = value
-    if "target_root" in schema["properties"] and "target_root" not in parameters:
-        raise CheckpointError(f"deployment {name} needs a target root: pass --target-root PATH (where its "
-                              "promotions may land)")
+    for key, option in REQUIRED.items():
+        if key in schema["properties"] and key not in parameters:
+            raise CheckpointError(f"deployment {name} needs a {key.replace('_', ' ')}: pass {option}")
     wanted = {
         "entrypoint": deployment["entrypoint"],
         "description": deployment.get("description"),

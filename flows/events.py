@@ -98,10 +98,19 @@ def promotion_place(target_root: str, hub_org: str | None, run: str, step: int |
     """
     if not run or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}", run) or ".." in run:
         raise CheckpointError(f"run name {run!r} cannot name a folder or a Hub repo; pass --run with letters, digits, '.', '_' or '-'")
-    leaf = f"step-{step}" if step is not None else "latest"
+    leaf = step_branch(step)
     return {"target": f"{target_root.rstrip('/')}/{run}/{leaf}",
             "hub_repo": f"{hub_org}/{run}" if hub_org else None,
             "revision": leaf if hub_org else None}
+
+
+def step_branch(step: int | None) -> str:
+    """The folder and Hub branch name of a step: `step-N`, or `latest` when the step is unknown.
+
+    >>> step_branch(1000), step_branch(None)
+    ('step-1000', 'latest')
+    """
+    return f"step-{step}" if step is not None else "latest"
 
 
 def triggered_run(event: dict, find_timeout_s: float = 60.0, poll_s: float = 0.5):

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
+from flows.signals import Terminated
 from mergecore import CheckpointError, VerificationError
+
+
+# The temporary server must answer within this many seconds; Prefect's 20 s is missed on a busy machine
+# (two promotes at once on 2 cores). Only a default: PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS (env or
+# profile) wins.
+EPHEMERAL_STARTUP_TIMEOUT_S = 180
+_SERVER_TIMED_OUT = "Timed out while attempting to connect to ephemeral Prefect API server"
 
 
 @contextmanager
@@ -15,28 +23,59 @@ def in_process_settings():
     Flow-run heartbeats let a server spot crashed runs, but only with an automation watching for
     them, and Prefect 3.9 joins the heartbeat thread at the end of every flow run (up to 1 s each).
     So they are off unless PREFECT_FLOWS_HEARTBEAT_FREQUENCY is set (env or profile): the setting
-    of someone who wants a killed CLI run marked Crashed. Building a Settings object costs ~50 ms,
-    so the quiet copy is made once per current settings.
+    of someone who wants a killed CLI run marked Crashed. The temporary server gets
+    EPHEMERAL_STARTUP_TIMEOUT_S to start unless PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS is
+    set, and when it still does not answer that is one line (CheckpointError), not a traceback.
+    Building a Settings object costs ~50 ms, so the adjusted copy is made once per current settings.
+
+    >>> with in_process_settings():
+    ...     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as timeout
+    ...     timeout.value() >= 20
+    True
     """
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no network here
     from prefect.context import SettingsContext, get_settings_context
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 
     current = get_settings_context()
-    if "heartbeat_frequency" in current.settings.flows.model_fields_set:
-        yield
-        return
     key = id(current.settings)  # the entry keeps that object alive, so its id is not reused
-    if key not in _QUIET:
-        if len(_QUIET) > 8:
-            _QUIET.clear()
-        quiet = current.settings.copy_with_update(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
-        _QUIET[key] = (current.settings, quiet)
-    with SettingsContext(profile=current.profile, settings=_QUIET[key][1]):
-        yield
+    if key not in _ADJUSTED:
+        if len(_ADJUSTED) > 8:
+            _ADJUSTED.clear()
+        updates = defaults_not_set(current.settings)
+        _ADJUSTED[key] = (current.settings, current.settings.copy_with_update(updates=updates) if updates else None)
+    adjusted = _ADJUSTED[key][1]
+    with SettingsContext(profile=current.profile, settings=adjusted) if adjusted else nullcontext():
+        try:
+            yield
+        except RuntimeError as error:
+            if _SERVER_TIMED_OUT not in str(error):
+                raise
+            raise server_start_error() from None
 
 
-_QUIET: dict = {}  # id(settings in force) -> (those settings, the same without heartbeats)
+def defaults_not_set(settings) -> dict:
+    """Our defaults for the settings the user (env or profile) has not set."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+
+    updates = {}
+    if "heartbeat_frequency" not in settings.flows.model_fields_set:
+        updates[PREFECT_FLOWS_HEARTBEAT_FREQUENCY] = None
+    if "startup_timeout_seconds" not in settings.server.ephemeral.model_fields_set:
+        updates[PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS] = EPHEMERAL_STARTUP_TIMEOUT_S
+    return updates
+
+
+def server_start_error() -> CheckpointError:
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+
+    waited = PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
+    return CheckpointError(
+        f"the temporary Prefect server did not answer within {waited} s "
+        "(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS); raise that setting on a busy machine, or run "
+        "`prefect server start` and set PREFECT_API_URL=http://127.0.0.1:4200/api")
+
+
+_ADJUSTED: dict = {}  # id(settings in force) -> (those settings, the same with our defaults, or None: all set)
 
 
 def run_promotion(**parameters) -> dict:
@@ -55,16 +94,31 @@ def run_promotion(**parameters) -> dict:
     raise first_error(state)
 
 
-def first_error(state) -> Exception:
-    """The exception that failed a run: ours when it is ours, else a one-line summary."""
+def first_error(state) -> BaseException:
+    """The exception that failed a run: ours when it is ours, `Terminated` when a SIGTERM caused it, else a
+    one-line summary."""
     try:
         state.result()
     except (CheckpointError, VerificationError) as error:
         return error
     except Exception as error:  # noqa: BLE001 - anything else is reported, not swallowed
-        found = _ours(error)
+        found = _ours(error) or _terminated(error)
         return found or CheckpointError(f"promotion failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
     return CheckpointError(f"promotion ended in state {state.name}: {state.message}")
+
+
+def _terminated(error: BaseException) -> Terminated | None:
+    """`Terminated` when Prefect's SIGTERM exception is behind `error`. Prefect (3.9) raises it wherever the main
+    thread is; caught while a task run is being created, it becomes "ValueError: Task run is not set" and the
+    signal is lost: without this the CLI would report that error instead of the signal, and exit 2, not 143."""
+    from prefect.exceptions import TerminationSignal
+
+    seen = error
+    while seen is not None:
+        if isinstance(seen, TerminationSignal):
+            return Terminated(seen.signal)
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _ours(error: BaseException) -> Exception | None:

@@ -1,9 +1,11 @@
 """Promotion on `checkpoint.uploaded` events, inside a boundary set by whoever deploys it.
 
-The deployment fixes a target root and a Hub organisation (`ckptflow deploy --target-root ROOT --hub-org ORG`).
-An event names a checkpoint and may suggest step, run, target, Hub repo and branch; whatever it leaves out is
-derived (`flows.events.promotion_place`), and whatever it names must stay inside the root and the organisation.
-So anyone who can post events can ask for a promotion, but not choose where it lands.
+The deployment fixes where checkpoints may come from, a target root and a Hub organisation (`ckptflow deploy
+--checkpoint-root SRC --target-root ROOT --hub-org ORG`), and which Hub branches events may name (only the derived
+`step-N` unless `--revision-pattern REGEX`; never `refs/...`). An event names a checkpoint and may suggest step,
+run, target, Hub repo and branch; whatever it leaves out is derived (`flows.events.promotion_place`), and whatever
+it names must stay inside those bounds. So anyone who can post events can ask for a promotion of a checkpoint
+below the source root, but not choose where it lands nor replace `main`.
 
 >>> event_place("s3://ckpts/run1/global_step_7/actor", "/models", "acme")
 {'target': '/models/run1/step-7', 'hub_repo': 'acme/run1', 'revision': 'step-7'}
@@ -21,7 +23,7 @@ from prefect.states import Completed
 
 from mergecore import CheckpointError
 
-from .events import promotion_place, step_and_run
+from .events import promotion_place, step_and_run, step_branch
 from .promote import promote_checkpoint
 
 _REPO_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
@@ -32,37 +34,87 @@ def is_local(location: str) -> bool:
     return "://" not in location or location.startswith("file://")
 
 
-def inside_root(target: str, target_root: str) -> str:
-    """`target` resolved (a relative one under the root), if it lies strictly below `target_root`.
+def below(path: str, root: str) -> str | None:
+    """`path` resolved (a relative one under `root`) if it is `root` or lies below it, else None.
 
     Local paths are compared after resolving `..` and symlinks, so a link inside the root that points out of it
-    does not pass; URLs after normalising their path.
+    does not pass; URLs after normalising their path, and only within the root's scheme and bucket/host.
+
+    >>> below("run1/step-7", "/models"), below("/models/../etc", "/models")
+    ('/models/run1/step-7', None)
+    """
+    if is_local(root):
+        if not is_local(path):
+            return None
+        local_root = os.path.realpath(root.removeprefix("file://"))
+        resolved = os.path.realpath(os.path.join(local_root, path.removeprefix("file://")))
+        return resolved if os.path.commonpath([local_root, resolved]) == local_root else None
+    root_url = urlsplit(root)
+    if is_local(path) and path.startswith(("/", "file://")):
+        return None
+    root_path = posixpath.normpath("/" + root_url.path.lstrip("/"))
+    given = urlsplit(path if "://" in path else f"{root.rstrip('/')}/{path}")
+    resolved = posixpath.normpath("/" + given.path.lstrip("/"))
+    same_store = (given.scheme, given.netloc) == (root_url.scheme, root_url.netloc)
+    if not same_store or not (resolved == root_path or resolved.startswith(root_path.rstrip("/") + "/")):
+        return None
+    return f"{root_url.scheme}://{root_url.netloc}{resolved}"
+
+
+def inside_root(target: str, target_root: str) -> str:
+    """`target` resolved (a relative one under the root), if it lies strictly below `target_root` (see `below`).
 
     >>> inside_root("run1/step-7", "/models")
     '/models/run1/step-7'
     """
-    if is_local(target_root):
-        if not is_local(target):
-            raise _outside(target, target_root)
-        root = os.path.realpath(target_root.removeprefix("file://"))
-        resolved = os.path.realpath(os.path.join(root, target.removeprefix("file://")))
-        if resolved == root or os.path.commonpath([root, resolved]) != root:
-            raise _outside(target, target_root)
-        return resolved
-    root_url = urlsplit(target_root)
-    if is_local(target) and target.startswith(("/", "file://")):
+    resolved = below(target, target_root)
+    if resolved is None or resolved == below(target_root, target_root):
         raise _outside(target, target_root)
-    root = posixpath.normpath("/" + root_url.path.lstrip("/"))
-    given = urlsplit(target if "://" in target else f"{target_root.rstrip('/')}/{target}")
-    path = posixpath.normpath("/" + given.path.lstrip("/"))
-    if (given.scheme, given.netloc) != (root_url.scheme, root_url.netloc) or not path.startswith(root.rstrip("/") + "/"):
-        raise _outside(target, target_root)
-    return f"{root_url.scheme}://{root_url.netloc}{path}"
+    return resolved
 
 
 def _outside(target: str, target_root: str) -> CheckpointError:
     return CheckpointError(f"target {target!r} is outside this deployment's target root {target_root}; "
                            "leave the target out of the event (it is derived) or name a folder below the root")
+
+
+def inside_checkpoint_root(checkpoint: str, checkpoint_root: str | None) -> str:
+    """The event's checkpoint resolved, if it is inside the deployment's source boundary (see `below`); the
+    promotion reads the resolved path, so a link swapped in later is not followed out of the root.
+
+    >>> inside_checkpoint_root("s3://ckpts/run1/global_step_7/actor", "s3://ckpts")
+    's3://ckpts/run1/global_step_7/actor'
+    """
+    if not checkpoint_root:
+        raise CheckpointError("this deployment has no checkpoint root; apply it with `ckptflow deploy "
+                              "--checkpoint-root PATH_OR_URL` so events can only name checkpoints below it")
+    resolved = below(checkpoint, checkpoint_root)
+    if resolved is None:
+        raise CheckpointError(f"checkpoint {checkpoint!r} is outside this deployment's checkpoint root "
+                              f"{checkpoint_root}; announce a checkpoint below it, or deploy with another "
+                              "--checkpoint-root")
+    return resolved
+
+
+def allowed_revision(revision: str | None, step: int | None, revision_pattern: str | None = None) -> str:
+    """The Hub branch an event may push to: the derived `step-N` (`latest` without a step), or, when the event
+    names another, one that fully matches the deployment's `revision_pattern`. Never a `refs/...` name (the
+    Hub reads `refs/heads/main` as main and `refs/pr/N` as a pull request), whatever the pattern.
+
+    >>> allowed_revision(None, 7), allowed_revision("rc-1", 7, r"rc-\\d+")
+    ('step-7', 'rc-1')
+    """
+    derived = step_branch(step)
+    if revision is None or revision == derived:
+        return derived
+    if revision.startswith("refs/") or not _BRANCH.fullmatch(revision) or ".." in revision:
+        raise CheckpointError(f"revision {revision!r} is not a branch name; use letters, digits, '.', '_', '-' or "
+                              "'/' (never refs/...), or leave revision out of the event")
+    if revision_pattern and re.fullmatch(revision_pattern, revision):
+        return revision
+    allowed = f"{derived} or a branch matching '{revision_pattern}'" if revision_pattern else f"only {derived}"
+    raise CheckpointError(f"revision {revision!r} refused: this deployment lets events push to {allowed}; leave "
+                          "revision out of the event, or deploy with --revision-pattern REGEX")
 
 
 def inside_org(hub_repo: str, hub_org: str | None) -> str:
@@ -79,7 +131,7 @@ def inside_org(hub_repo: str, hub_org: str | None) -> str:
 
 def event_place(checkpoint: str, target_root: str | None, hub_org: str | None = None, step: int | None = None,
                 run: str | None = None, target: str | None = None, hub_repo: str | None = None,
-                revision: str | None = None) -> dict:
+                revision: str | None = None, revision_pattern: str | None = None) -> dict:
     """Where the promotion an event asks for lands: the event's own choices checked against the boundary,
     the rest derived from the checkpoint path (step, run) by `promotion_place`."""
     if not target_root:
@@ -90,13 +142,8 @@ def event_place(checkpoint: str, target_root: str | None, hub_org: str | None = 
     run = run or found_run
     place = promotion_place(target_root, hub_org, run, step) if (target is None or hub_repo is None) else {}
     target = inside_root(target, target_root) if target is not None else inside_root(place["target"], target_root)
-    if hub_repo is not None:
-        hub_repo = inside_org(hub_repo, hub_org)
-        revision = revision or (f"step-{step}" if step is not None else None)
-    else:
-        hub_repo, revision = place["hub_repo"], (revision or place["revision"]) if place["hub_repo"] else None
-    if revision is not None and (not _BRANCH.fullmatch(revision) or ".." in revision):
-        raise CheckpointError(f"revision {revision!r} is not a branch name; use letters, digits, '.', '_', '-' or '/'")
+    hub_repo = inside_org(hub_repo, hub_org) if hub_repo is not None else place["hub_repo"]
+    revision = allowed_revision(revision, step, revision_pattern) if hub_repo else None
     return {"target": target, "hub_repo": hub_repo, "revision": revision}
 
 
@@ -110,6 +157,8 @@ def promote_uploaded(
     revision: str | None = None,
     target_root: str | None = None,
     hub_org: str | None = None,
+    checkpoint_root: str | None = None,
+    revision_pattern: str | None = None,
     event_id: str | None = None,
     dtype: str = "auto",
     private: bool = True,
@@ -119,12 +168,14 @@ def promote_uploaded(
     hub_token_secret: str | None = None,
     on_nonfinite: str = "fail",
 ):
-    """Promote the checkpoint an event announced, inside the deployment's target root and Hub organisation.
+    """Promote the checkpoint an event announced, if it lies below the deployment's checkpoint root, inside its
+    target root and Hub organisation, to the derived branch (or one its revision pattern allows).
 
     `event_id` is the event that asked for this run (`ckptflow notify --wait` finds the run by it). The final
     state's message says where the model is."""
-    place = event_place(checkpoint, target_root, hub_org, step, run, target, hub_repo, revision)
-    result = promote_checkpoint(checkpoint=checkpoint, **place, dtype=dtype, private=private,
+    source = inside_checkpoint_root(checkpoint, checkpoint_root)
+    place = event_place(checkpoint, target_root, hub_org, step, run, target, hub_repo, revision, revision_pattern)
+    result = promote_checkpoint(checkpoint=source, **place, dtype=dtype, private=private,
                                 max_shard_size=max_shard_size, role=role, backend=backend,
                                 hub_token_secret=hub_token_secret, on_nonfinite=on_nonfinite)
     return Completed(message=where_message(result), data=result)

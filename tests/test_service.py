@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
-from flows.service import event_place, inside_org, inside_root, promote_uploaded
+from flows.service import (allowed_revision, event_place, inside_checkpoint_root, inside_org, inside_root,
+                           promote_uploaded)
 from mergecore import CheckpointError
 
 CKPT = "s3://ckpts/run1/global_step_1000/actor"
@@ -23,7 +25,7 @@ def test_no_org_means_no_hub_push(tmp_path):
 
 def test_the_event_may_choose_inside_the_boundary(tmp_path):
     place = event_place(CKPT, str(tmp_path), "acme", step=5, run="other", target="mine/x", hub_repo="acme/mine",
-                        revision="rc-1")
+                        revision="rc-1", revision_pattern=r"rc-\d+")
     assert place == {"target": f"{tmp_path}/mine/x", "hub_repo": "acme/mine", "revision": "rc-1"}
     assert event_place(CKPT, str(tmp_path), "acme", run="other")["target"] == f"{tmp_path}/other/step-1000"
     assert event_place(CKPT, str(tmp_path), "acme", hub_repo="acme/x")["revision"] == "step-1000"
@@ -52,7 +54,8 @@ def test_deploy_takes_a_path_or_an_object_store_root(tmp_path, monkeypatch):
     from flows.deploy import boundary_options
 
     monkeypatch.chdir(tmp_path)
-    assert boundary_options("models", "acme") == {"target_root": str(tmp_path / "models"), "hub_org": "acme"}
+    assert boundary_options("models", "acme") == {"target_root": str(tmp_path / "models"), "hub_org": "acme",
+                                                  "checkpoint_root": None, "revision_pattern": None}
     assert boundary_options("s3://bucket/models/", None)["target_root"] == "s3://bucket/models"
     with pytest.raises(CheckpointError, match="not a Hub organisation"):
         boundary_options(None, "acme/../x")
@@ -84,27 +87,120 @@ def test_a_deployment_without_a_root_refuses_every_event():
 
 def test_a_bad_revision_or_run_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="not a branch name"):
-        event_place(CKPT, str(tmp_path), "acme", revision="../main")
+        event_place(CKPT, str(tmp_path), "acme", revision="../main", revision_pattern=".*")
     with pytest.raises(CheckpointError, match="run name"):
         event_place(CKPT, str(tmp_path), "acme", run="../evil")
 
 
 def test_the_flow_refuses_before_reading_or_writing_anything(tmp_path):
     root = tmp_path / "root"
+    boundary = {"target_root": str(root), "hub_org": "acme", "checkpoint_root": str(tmp_path)}
     with pytest.raises(CheckpointError, match="outside"):
-        promote_uploaded.fn(str(tmp_path / "no-such-checkpoint"), target=str(tmp_path / "elsewhere"),
-                            target_root=str(root), hub_org="acme")
+        promote_uploaded.fn(str(tmp_path / "no-such-checkpoint"), target=str(tmp_path / "elsewhere"), **boundary)
     with pytest.raises(CheckpointError, match="Hub organisation acme"):
-        promote_uploaded.fn(str(tmp_path / "no-such-checkpoint"), hub_repo="evil/x", target_root=str(root),
-                            hub_org="acme")
+        promote_uploaded.fn(str(tmp_path / "no-such-checkpoint"), hub_repo="evil/x", **boundary)
+    with pytest.raises(CheckpointError, match="checkpoint '/etc/passwd' is outside"):
+        promote_uploaded.fn("/etc/passwd", **boundary)
+    with pytest.raises(CheckpointError, match="refused: this deployment lets events push to only step-1000"):
+        promote_uploaded.fn(f"{tmp_path}/run1/global_step_1000/actor", revision="main", **boundary)
+    with pytest.raises(CheckpointError, match="no checkpoint root"):
+        promote_uploaded.fn(str(tmp_path / "no-such-checkpoint"), target_root=str(root), hub_org="acme")
     assert os.listdir(tmp_path) == []
+
+
+# --- the source boundary and the branch rule (issue 17, item 9) ------------------------------------------------
+
+@pytest.mark.parametrize("revision", ["main", "refs/heads/main", "refs/pr/1", "refs/heads/step-1000", "step-999",
+                                      "step-1000/../main", "latest"])
+def test_an_event_may_not_pick_another_branch_by_default(revision):
+    with pytest.raises(CheckpointError, match="refused|not a branch name"):
+        allowed_revision(revision, 1000)
+
+
+@pytest.mark.parametrize("revision", ["refs/heads/main", "refs/pr/1", "refs/heads/rc-1", "refs/tags/rc-1"])
+def test_refs_are_refused_whatever_the_pattern(revision):
+    with pytest.raises(CheckpointError, match="never refs/"):
+        allowed_revision(revision, 1000, ".*")
+
+
+def test_the_derived_branch_and_what_the_pattern_allows_pass():
+    assert allowed_revision(None, 1000) == "step-1000" == allowed_revision("step-1000", 1000)
+    assert allowed_revision(None, None) == "latest"
+    assert allowed_revision("rc-2", 1000, r"rc-\d+") == "rc-2"
+    with pytest.raises(CheckpointError, match=re.escape("or a branch matching 'rc-\\d+'")):
+        allowed_revision("rc-2x", 1000, r"rc-\d+")  # a full match, not a prefix
+    with pytest.raises(CheckpointError, match="refused"):
+        allowed_revision("main", 1000, r"rc-\d+")
+
+
+def test_an_event_naming_main_through_the_hub_repo_is_refused_too(tmp_path):
+    """The branch rule holds whichever way the repo is chosen (derived or named by the event)."""
+    for hub_repo in (None, "acme/run1"):
+        with pytest.raises(CheckpointError, match="refused"):
+            event_place(CKPT, str(tmp_path), "acme", hub_repo=hub_repo, revision="main")
+    no_step = event_place("s3://ckpts/loose-folder", str(tmp_path), "acme", hub_repo="acme/x")
+    assert no_step["revision"] == "latest"  # never None: that would push to the repo's main
+
+
+@pytest.fixture
+def sources(tmp_path):
+    """A checkpoint root with one checkpoint, a folder beside it and a link inside it that leads out."""
+    root, outside = tmp_path / "ckpts", tmp_path / "elsewhere"
+    (root / "run1" / "global_step_1" / "actor").mkdir(parents=True)
+    (outside / "global_step_1" / "actor").mkdir(parents=True)
+    (root / "escape").symlink_to(outside)
+    return root, outside
+
+
+def test_a_checkpoint_below_the_root_passes_resolved(sources):
+    root, _ = sources
+    checkpoint = root / "run1" / "global_step_1" / "actor"
+    assert inside_checkpoint_root(str(checkpoint), str(root)) == str(checkpoint)
+    assert inside_checkpoint_root(f"file://{checkpoint}", str(root)) == str(checkpoint)
+    assert inside_checkpoint_root("run1/./global_step_1/actor", str(root)) == str(checkpoint)
+    assert inside_checkpoint_root(f"{root}/run1/../run1/global_step_1/actor", str(root)) == str(checkpoint)
+
+
+@pytest.mark.parametrize("checkpoint", ["/etc/passwd", "/etc", "{root}/../elsewhere/global_step_1/actor",
+                                        "../elsewhere/global_step_1/actor", "{root}/escape/global_step_1/actor",
+                                        "{root}-other/run1", "s3://ckpts/run1/global_step_1/actor",
+                                        "file:///etc/passwd"])
+def test_checkpoints_outside_a_local_root_are_refused(sources, checkpoint):
+    root, _ = sources
+    with pytest.raises(CheckpointError, match="outside this deployment's checkpoint root"):
+        inside_checkpoint_root(checkpoint.format(root=root), str(root))
+
+
+@pytest.mark.parametrize("checkpoint", ["s3://other-bucket/run1/global_step_1/actor", "s3://ckpts-x/run1",
+                                        "s3://ckpts/runs/../secret/actor", "s3://ckpts/runs-old/run1", "gs://ckpts/runs/a",
+                                        "/etc/passwd", "file:///etc/passwd", "s3://ckpts/secret"])
+def test_checkpoints_outside_a_url_root_are_refused(checkpoint):
+    with pytest.raises(CheckpointError, match="outside this deployment's checkpoint root"):
+        inside_checkpoint_root(checkpoint, "s3://ckpts/runs")
+    assert inside_checkpoint_root("s3://ckpts/runs/run1/global_step_1/actor", "s3://ckpts/runs") == \
+        "s3://ckpts/runs/run1/global_step_1/actor"
+
+
+def test_a_deployment_without_a_checkpoint_root_refuses_every_checkpoint():
+    with pytest.raises(CheckpointError, match="--checkpoint-root"):
+        inside_checkpoint_root(CKPT, None)
+
+
+def test_deploy_checks_the_revision_pattern_and_normalises_the_checkpoint_root(tmp_path, monkeypatch):
+    from flows.deploy import boundary_options
+
+    monkeypatch.chdir(tmp_path)
+    given = boundary_options(None, None, "ckpts/", r"rc-\d+")
+    assert given["checkpoint_root"] == str(tmp_path / "ckpts") and given["revision_pattern"] == r"rc-\d+"
+    assert boundary_options(None, None, "s3://ckpts/runs/")["checkpoint_root"] == "s3://ckpts/runs"
+    with pytest.raises(CheckpointError, match="not a regular expression"):
+        boundary_options(None, None, None, "rc-(")
 
 
 # --- the whole service: a real `prefect server`, `ckptflow deploy`, a process worker, the loopback Hub ---------
 
 import contextlib  # noqa: E402
 import json  # noqa: E402
-import re  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
@@ -178,7 +274,8 @@ def service(tmp_path_factory):
         with started([str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env,
                      home / "server.log") as server:
             wait_for_health(api, server, home / "server.log")
-            yield {"api": api, "env": env, "root": root, "hub": hub, "home": home}
+            yield {"api": api, "env": env, "root": root, "hub": hub, "home": home,
+                   "sources": tmp_path_factory.getbasetemp()}  # the demo checkpoints and the watched folder
 
 
 def ckptflow(service, *args, timeout_s: float = 120) -> subprocess.CompletedProcess:
@@ -205,7 +302,8 @@ def snapshot(service) -> str:
 
 
 def test_deploy_twice_changes_nothing(service):
-    first = ckptflow(service, "deploy", "--target-root", service["root"], "--hub-org", "acme")
+    first = ckptflow(service, "deploy", "--target-root", service["root"], "--hub-org", "acme", "--checkpoint-root",
+                     service["sources"])
     assert first.returncode == 0, first.stderr
     assert "promote-uploaded/promote-on-upload: created; triggers applied (1)" in first.stdout
     before = snapshot(service)
@@ -216,6 +314,8 @@ def test_deploy_twice_changes_nothing(service):
     with api_client(service) as client:
         deployment = client.read_deployment_by_name("promote-uploaded/promote-on-upload")
     assert deployment.parameters["target_root"] == str(service["root"]) and deployment.parameters["hub_org"] == "acme"
+    assert deployment.parameters["checkpoint_root"] == str(service["sources"])
+    assert "revision_pattern" not in deployment.parameters  # only the derived step-N branch
 
 
 def test_deploy_without_a_server_url_is_one_line():
@@ -269,10 +369,13 @@ def test_notify_promotes_and_a_repeat_is_a_cache_hit_and_the_boundary_holds(serv
 
     checkpoint = demo("fsdp2-w1").role_dir  # .../global_step_1/actor below the fixture's run root
     outside = service["home"] / "outside"
-    refused = [checkpoint_event(str(checkpoint), target=f"{service['root']}/../outside/model"),
-               checkpoint_event(str(checkpoint), hub_repo="evil/model")]
+    refused = {"target root": checkpoint_event(str(checkpoint), target=f"{service['root']}/../outside/model"),
+               "Hub organisation acme": checkpoint_event(str(checkpoint), hub_repo="evil/model"),
+               "checkpoint root": checkpoint_event("/etc/passwd", step=1, run="passwd"),
+               "push to only step-1": checkpoint_event(str(checkpoint), revision="main")}
     hub = service["hub"]
-    deployed = ckptflow(service, "deploy", "--target-root", service["root"], "--hub-org", "acme")  # idempotent
+    deployed = ckptflow(service, "deploy", "--target-root", service["root"], "--hub-org", "acme",
+                        "--checkpoint-root", service["sources"])  # idempotent
     assert deployed.returncode == 0, deployed.stderr
     with started([str(PREFECT), "worker", "start", "--pool", "ckptflow-process", "--type", "process"],
                  service["env"], service["home"] / "worker.log"):
@@ -293,14 +396,16 @@ def test_notify_promotes_and_a_repeat_is_a_cache_hit_and_the_boundary_holds(serv
         assert "groups reused from cache" in second.stdout and "unchanged, no new commit" in second.stdout
         assert len(hub.commits(f"acme/{run}", branch=f"step-{step}")) == commits
 
-        post_events(service["api"], refused)
+        main_commits = len(hub.commits(f"acme/{run}", branch="main"))
+        post_events(service["api"], list(refused.values()))
 
         with temporary_settings({PREFECT_API_URL: service["api"]}):
-            for event, why in zip(refused, ["target root", "Hub organisation acme"]):
+            for why, event in refused.items():
                 finished = follow_run(run_for(service, event).id, timeout_s=120, poll_s=0.3)
-                assert finished.state.is_failed() and f"outside this deployment's {why}" in finished.state.message
+                assert finished.state.is_failed() and why in finished.state.message, finished.state.message
         watched_model = watch_a_slow_copy_then_wait_for_its_promotion(service, demo("fsdp2-w1").run_root)
     assert not outside.exists() and not any("evil" in request.path for request in hub.requests)
+    assert not (service["root"] / "passwd").exists() and main_commits == len(hub.commits(f"acme/{run}", branch="main"))
     assert_same_tensors(target, demo("fsdp2-w1").reference_dir)
     assert_same_tensors(watched_model, demo("fsdp2-w1").reference_dir)
     timing = r"run started ([\d.]+) s after the event; model published ([\d.]+) s"
