@@ -50,9 +50,10 @@ def round_trip_pieces(source: CheckpointSource, get, held: set[str], aliases: di
         return sum(pool.map(lambda name: source.check_round_trip(name, get(aliases.get(name, name))), checked))
 
 
-def verify_manifest(folder: Path, full: bool = True) -> dict:
+def verify_manifest(folder: str | Path, full: bool = True) -> dict:
     """Every file named in the manifest is there and unchanged: re-hashed, or with `full=False`
     only its size and modification time compared (enough to notice any ordinary write)."""
+    folder = Path(folder)
     manifest = load_manifest(folder)
     unlisted = unlisted_files(folder, manifest)
     if unlisted:

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from ckptflow_testing.demo_checkpoint import DemoCheckpoint, DemoSpec, write_demo_checkpoints
 
-# One checkpoint per way verl can save an FSDP model (see shared/FACTS.md).
+# One checkpoint per way verl can save an FSDP model (see docs/facts.md).
 VARIANTS = {
     "fsdp2-w1": DemoSpec(world_size=1),
     "fsdp2-w2": DemoSpec(world_size=2),

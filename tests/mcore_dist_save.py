@@ -16,7 +16,7 @@ Run as a script (megatron-core's writers spawn processes: needs the __main__ gua
         `state_dict()`, as verl's legacy checkpoint manager writes it). Without PP, rank 0 also writes
         DIST_ROLE/logits.pt from the TP-parallel forward.
 
-Fixture-only patches (shared/FACTS.md): CPU-only torch needs torch.cuda.synchronize / current_device stubs,
+Fixture-only patches (docs/facts.md): CPU-only torch needs torch.cuda.synchronize / current_device stubs,
 and Tensor.cuda as the identity (tied embeddings under PP move their copy "to the GPU" before syncing it).
 """
 

@@ -1,6 +1,6 @@
 """verl FSDP checkpoints: one `model_world_size_W_rank_R.pt` per rank.
 
-Values per rank, by how training was wrapped (see shared/FACTS.md):
+Values per rank, by how training was wrapped (see docs/facts.md):
 FSDP2 / FSDP1-with-mesh -> DTensor (Shard(d) on a 1-D mesh, or (Replicate(), Shard(0)) for HSDP);
 FSDP1 without a mesh -> ShardedTensor; a single GPU -> plain tensors.
 """
