@@ -68,7 +68,10 @@ def cli_errors(command):
 
 
 def fail(message: str, exit_code: int) -> None:
-    err.print(f"[bold red]error:[/] {' '.join(message.split())}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    # escaped: a message's own brackets ("ckptflow[pipeline]", "[hf pattern, kind]") are text, not markup
+    err.print(f"[bold red]error:[/] {escape(' '.join(message.split()))}", highlight=False, soft_wrap=True)
     raise typer.Exit(exit_code) from None
 
 
@@ -77,6 +80,16 @@ def refuse(message: str) -> None:
     from mergecore import CheckpointError
 
     raise CheckpointError(message)
+
+
+def require_pipeline(command: str) -> None:
+    """The commands that run or talk to the Prefect pipeline need the `pipeline` extra: one line naming it, not
+    an ImportError, when it is missing."""
+    try:
+        import prefect  # noqa: F401
+    except ImportError:
+        refuse(f"ckptflow {command} runs the Prefect pipeline, which is not installed here: "
+               "pip install 'ckptflow[pipeline]'")
 
 
 def push_merged(folder: str | Path, repo_id: str, revision: Optional[str], private: bool, tag: Optional[str] = None) -> dict:
@@ -448,6 +461,7 @@ def promote(
 
     A LoRA checkpoint is published as its fused model; by default with its PEFT adapter in lora_adapter/
     (pushed inside the same repo)."""
+    require_pipeline("promote")
     from flows.engines import check_engine_options
     from flows.run import run_promotion
     from mergecore import open_target
@@ -516,6 +530,7 @@ def promote_latest_command(
     hub_token_secret: Optional[str] = typer.Option(None, "--hub-token-secret", help="Prefect Secret block holding the Hub token (default: HF_TOKEN)."),
 ):
     """Promote the latest step of each run unless it is already promoted (the target and Hub branch are the ledger)."""
+    require_pipeline("promote-latest")
     from flows.latest import promote_latest
     from flows.run import first_error, in_process_settings
 
@@ -546,6 +561,7 @@ def deploy(
                                                    "the derived step-N (a regex, full match; never refs/...); \"\" removes it."),
 ):
     """Create the work pool and apply deployments/prefect.yaml (and its triggers) to PREFECT_API_URL; idempotent."""
+    require_pipeline("deploy")
     from flows.deploy import apply_deployments
 
     for line in apply_deployments(target_root, hub_org, pool, checkpoint_root=checkpoint_root,

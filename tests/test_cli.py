@@ -169,3 +169,14 @@ def test_flow_heartbeats_are_off_in_process_unless_asked_for():
         assert get_current_settings().flows.heartbeat_frequency is None
     with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 60}), in_process_settings():
         assert get_current_settings().flows.heartbeat_frequency == 60
+
+
+def test_pipeline_commands_without_prefect_name_the_extra(tmp_path):
+    """A base install (no `pipeline` extra): promote, promote-latest and deploy say what to install, in one line."""
+    for args in (["promote", str(tmp_path), "--target", str(tmp_path / "m")], ["promote-latest", str(tmp_path),
+                 "--target-root", str(tmp_path)], ["deploy", "--checkpoint-root", str(tmp_path)]):
+        code = ("import sys; sys.modules['prefect'] = None; from flows.cli import main; "
+                f"sys.argv = ['ckptflow', *{args!r}]; main()")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and "pip install 'ckptflow[pipeline]'" in done.stderr, (args, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
