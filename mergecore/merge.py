@@ -113,7 +113,7 @@ def prepare(
     """Discover, validate against config.json, and plan. Raises CheckpointError on bad input.
 
     >>> prepared = prepare("ckpts/run1", dtype="bf16")   # doctest: +SKIP
-    >>> prepared.plan.files
+    >>> prepared.plan.files                              # doctest: +SKIP
     ['model-00001-of-00001.safetensors']
     """
     source = source or open_checkpoint(checkpoint, role, backend, hf_dir, custom_mapping)  # or one already opened

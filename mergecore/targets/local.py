@@ -5,9 +5,9 @@ with a file ckptflow writes (`.ckptflow-staging`), so a leftover of a crashed ru
 anything else found at that name — a link, a file, someone's folder — is refused. The target's path is resolved
 first (links and `..`): a target that is a link publishes into the folder it names, and the link stays.
 
->>> target = LocalTarget("out/model")                      # doctest: +SKIP
->>> target.staging
-PosixPath('/abs/out/.model.ckptflow-partial')
+>>> target = LocalTarget("/srv/models/../models/run1")
+>>> target.url, target.staging.name
+('/srv/models/run1', '.run1.ckptflow-partial')
 """
 
 from __future__ import annotations
