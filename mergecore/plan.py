@@ -63,15 +63,6 @@ class MergePlan:
         total = sum(t.end - t.begin for t in self.tensors)
         return {"metadata": {"total_size": total}, "weight_map": {t.name: t.file for t in self.tensors}}
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @staticmethod
-    def from_json(text: str) -> MergePlan:
-        data = json.loads(text)
-        data["tensors"] = [PlannedTensor(**{**t, "shape": tuple(t["shape"])}) for t in data["tensors"]]
-        return MergePlan(**data)
-
 
 def make_plan(
     source: str,
