@@ -19,8 +19,10 @@ import base64
 import html
 import math
 import re
+from pathlib import Path
 
 from .arrays import element_size
+from .errors import CheckpointError
 from .formats.fetching import places_only
 from .inspect import describe_source
 from .layout import group_of
@@ -380,7 +382,7 @@ def _group_details(group: dict, labels: list[str], opened: bool) -> str:
     for member in group["members"]:
         spans = holder_spans(member, len(labels))
         lines = "<br>".join(f"{e(who)}: {e(what)}" for who, what in shard_lines(member, labels))
-        rows.append(f'<tr class="tensor kind-row-{member["kind"]}"><td>{_kind_badge(member["kind"])}{e(member["name"])}</td>'
+        rows.append(f'<tr class="tensor kind-row-{member["kind"]}"><td>{_kind_badge(member["kind"])}<span class="name">{e(member["name"])}</span></td>'
                     f'<td>{e(" × ".join(map(str, member["shape"])) or "scalar")}</td><td>{e(member["dtype"])}</td>'
                     f'<td>{e(member["layout"])}</td><td class="num">{member["bytes"]:,}</td>'
                     f'<td>{_bar_svg(member, spans, labels)}<div class="shards">{lines}</div></td></tr>')
@@ -407,3 +409,31 @@ def render_markdown(layout: dict, html_file: str | None = None) -> str:
     if html_file:
         lines += ["", f"Full picture (every tensor's shards per rank): `{html_file}`"]
     return "\n".join(lines)
+
+
+def write_picture(layout: dict, file: str) -> Path:
+    """`render_html(layout)` written to `file` whole or not at all (a temporary file beside it, renamed);
+    a path that cannot be written is a CheckpointError naming it.
+
+    >>> write_picture(checkpoint_layout(source), "run1.html")  # doctest: +SKIP
+    PosixPath('/abs/run1.html')
+    """
+    import os
+    import tempfile
+
+    target = Path(file).expanduser().absolute()
+    if target.is_dir():
+        raise CheckpointError(f"{target}: is a folder; pass a file name for the picture, e.g. {target / 'checkpoint.html'}")
+    try:
+        handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as error:
+        raise CheckpointError(f"{target}: cannot write the picture there ({error.strerror}); "
+                              "pass a path in an existing, writable folder") from None
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(render_html(layout))
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return target
