@@ -230,8 +230,11 @@ def _range_label(first: str, last: str, count: int) -> str:
 
 
 def human_bytes(n: float) -> str:
-    """>>> human_bytes(3 * 1024 ** 2)
-    '3.0 MiB'"""
+    """Bytes in binary units, for people.
+
+    >>> human_bytes(3 * 1024 ** 2)
+    '3.0 MiB'
+    """
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

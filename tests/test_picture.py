@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from safetensors import safe_open
+from test_storage_s3 import s3_endpoint, s3_env  # noqa: F401  (moto server + s3fs fixtures)
 
 CHROMIUM = shutil.which("chromium")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not on PATH (./dev test installs it with apt-get)")
@@ -201,3 +202,25 @@ def test_promotion_makes_a_picture_artifact(prefect_server, demo_copy, tmp_path)
     page = picture_file(str(target))
     assert str(page) in artifact.data and "rank 1: rows" in page.read_text()
     assert not (target / page.name).exists()  # beside the published model, never inside it
+
+
+def test_picture_of_an_s3_checkpoint_downloads_no_tensor_bytes(s3_env, demo):
+    """Drawing asks every tensor for its pieces' places: a remote source must not fetch their bytes."""
+    import collections
+
+    pytest.importorskip("s3fs")
+    from ckptflow_testing.s3_reads import counting
+    from mergecore.formats import open_checkpoint
+    from mergecore.inspect import shown_view
+    from mergecore.picture import checkpoint_layout
+
+    ckpt = demo("fsdp2-w2")
+    s3_env.mkdir("pic-ckpts")
+    s3_env.put(str(ckpt.role_dir), "pic-ckpts/run/global_step_1/actor", recursive=True)
+    with counting() as (fetched, _):
+        source = shown_view(open_checkpoint("s3://pic-ckpts/run/global_step_1/actor"))
+        source.describe()  # opening: each rank file's directory and pickle
+        opened = collections.Counter(fetched)
+        layout = checkpoint_layout(source)
+    assert [len(g["held"]) for g in layout["groups"]] == [2] * 4 and sum(opened.values()) > 0
+    assert fetched == opened  # not one byte more
