@@ -399,14 +399,25 @@ def inspect(
     lora_alpha: Optional[float] = LORA_ALPHA,
     lora_r: Optional[int] = LORA_R,
     target_modules: Optional[str] = TARGET_MODULES,
+    html_file: Optional[str] = typer.Option(None, "--html", help="Also write a picture of the checkpoint to this "
+                                            "HTML file: which rank holds which rows of which tensor (self-contained)."),
 ):
     """Describe a checkpoint: format, world size, mesh, placements, tensors and bytes per group (and its LoRA)."""
-    from mergecore.inspect import describe_checkpoint
+    from mergecore.formats import open_checkpoint
+    from mergecore.inspect import describe_source, shown_view
 
-    report = describe_checkpoint(source, role=role, backend=backend, custom_mapping=custom_mapping,
-                                 lora=lora_overrides(lora_alpha, lora_r, target_modules))
+    opened = shown_view(open_checkpoint(source, role=role, backend=backend, custom_mapping=custom_mapping))
+    lora = lora_overrides(lora_alpha, lora_r, target_modules)
+    report = describe_source(opened, lora)
+    picture = None
+    if html_file:
+        from mergecore.picture import checkpoint_layout, write_picture
+
+        picture = write_picture(checkpoint_layout(opened, lora), html_file)
     if as_json:
         print(json.dumps(report, indent=2))
+        if picture:
+            err.print(f"picture: {picture}", highlight=False, soft_wrap=True)  # stdout stays JSON
         return
     facts = report["checkpoint"]
     out.print(", ".join(f"{k}: {v}" for k, v in facts.items() if k != "files"), highlight=False, soft_wrap=True)
@@ -423,6 +434,8 @@ def inspect(
                   f"{' (' + came['alpha'] + ')' if 'alpha' in came else ''}, target modules "
                   f"{', '.join(found['target_modules'])} ({came['target_modules']}), adapters {', '.join(found['adapters'])}",
                   highlight=False, soft_wrap=True)
+    if picture:
+        out.print(f"picture: {picture}", highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -27,6 +27,7 @@ from tasks.caching import group_cache_policy, merge_file_key, results_folder
 from tasks.sources import CheckpointRef, lora_options
 
 from .engines import group_task_runner, seen_from_workers
+from .pictures import publish_picture
 from .progress import GroupProgress
 from .reports import equivalence_rows, merge_report
 
@@ -71,6 +72,7 @@ def merge_under_lock(ref: CheckpointRef, place, source: dict, plan, overwrite: b
     written = receipts if futures else manifest.get("groups_written", [])  # reused: as the run that wrote them
     create_markdown_artifact(merge_report(source, plan, written, cached, manifest), key="merge-report",
                              description=f"merge of {source['location']}")
+    publish_picture(ref, target)  # the checkpoint drawn ranks × groups: an artifact and an HTML page
     return {**manifest, "cached_groups": cached}
 
 

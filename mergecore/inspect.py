@@ -19,9 +19,25 @@ def describe_checkpoint(path: str, role: str = "actor", backend: str = "auto", c
     >>> describe_checkpoint("ckpts/run1")["checkpoint"]["world_size"]  # doctest: +SKIP
     4
     """
-    source = open_checkpoint(path, role=role, backend=backend, custom_mapping=custom_mapping)
-    if not (source.format_name == "verl-fsdp" and is_lora_checkpoint(source.tensors())):
-        source = hub_view(source)  # the names a merge writes (a LoRA save is shown under its saved names)
+    return describe_source(shown_view(open_checkpoint(path, role=role, backend=backend, custom_mapping=custom_mapping)),
+                           lora)
+
+
+def shown_view(source):
+    """The view `inspect` shows of an opened checkpoint (or of a merge's view of it, `merge_view`): the names a
+    merge writes, except that a LoRA save is shown under its saved names, adapters and all.
+
+    >>> shown_view(open_checkpoint("ckpts/run1")).tensors()  # doctest: +SKIP
+    """
+    while getattr(source, "inner", None) is not None:  # back to the checkpoint as saved (Hub layout, fused LoRA)
+        source = source.inner
+    if source.format_name == "verl-fsdp" and is_lora_checkpoint(source.tensors()):
+        return source
+    return hub_view(source)
+
+
+def describe_source(source, lora: dict | None = None) -> dict:
+    """`describe_checkpoint` of a source already opened (and viewed with `shown_view`)."""
     groups: dict[str, dict] = {}
     order: dict[str, tuple] = {}
     for name, info in source.tensors().items():

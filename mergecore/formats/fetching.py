@@ -9,7 +9,27 @@ file (`remote_writer`) says which tensors come next with `prefetch`, so exactly 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import cached_property
+
+
+_PLACES_ONLY: ContextVar[bool] = ContextVar("places_only", default=False)
+
+
+@contextmanager
+def places_only():
+    """Inside it, `pieces()` is asked for where each piece sits (offsets, sizes, which file), never for its
+    values: remote sources skip downloading the bytes, so drawing an s3:// checkpoint reads metadata only.
+
+    >>> with places_only():  # doctest: +SKIP
+    ...     [p.offsets for p in source.pieces("lm_head.weight")]
+    """
+    token = _PLACES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _PLACES_ONLY.reset(token)
 
 
 class FetchesByGroup:
@@ -31,8 +51,9 @@ class FetchesByGroup:
             self._fetch_missing([n for n in names if n in self._group_of])
 
     def _fetch_for(self, name: str) -> None:
-        """Make `name`'s bytes local: with the rest of its layer group unless they came already."""
-        if self._reads_remotely() and name not in self._fetched_names:
+        """Make `name`'s bytes local: with the rest of its layer group unless they came already (not inside
+        `places_only()`, where pieces are asked for their places alone)."""
+        if self._reads_remotely() and name not in self._fetched_names and not _PLACES_ONLY.get():
             self._fetch_missing(self._group_members[self._group_of[name]])
 
     def _fetch_missing(self, names: list[str]) -> None:
