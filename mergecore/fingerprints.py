@@ -30,7 +30,7 @@ OUTPUT_CODE = (
 )
 NOT_OUTPUT_CODE = (
     "__init__.py", "api.py", "card.py", "completeness.py", "config_check.py", "errors.py", "fingerprints.py", "hub.py", "inspect.py",
-    "nonfinite.py", "publish.py", "remote_verify.py", "targets/__init__.py", "targets/base.py", "targets/local.py",
+    "nonfinite.py", "picture.py", "publish.py", "remote_verify.py", "targets/__init__.py", "targets/base.py", "targets/local.py",
     "targets/lock.py", "targets/remote.py",
     "retries.py", "tensorio.py", "verify.py",
 )
