@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ckptflow_testing.demo_checkpoint import DemoCheckpoint, DemoSpec, write_demo_checkpoints
+from helpers import free_port
 
 # One checkpoint per way verl can save an FSDP model (see docs/facts.md).
 VARIANTS = {
@@ -122,3 +123,46 @@ def prefect_server():
 
     with in_process_settings(), prefect_test_harness(server_startup_timeout=60):
         yield
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A moto S3 server on loopback for the tests of one module; its URL."""
+    import logging
+
+    moto_server = pytest.importorskip("moto.server")
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # Its request lines would reach the root logger's handlers: Prefect's console handler, bound to the stderr
+    # of whichever CLI call configured it (a CliRunner stream closed since), breaking later one-line asserts.
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_endpoint, monkeypatch, tmp_path):
+    """s3fs (through fsspec's configuration) pointed at the moto server; yields a client of it."""
+    s3fs = pytest.importorskip("s3fs")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("FSSPEC_S3_ENDPOINT_URL", s3_endpoint)  # fsspec passes it to s3fs as endpoint_url
+    monkeypatch.setenv("CKPTFLOW_CACHE", str(tmp_path / "cache"))
+    import fsspec.config
+
+    fsspec.config.conf.clear()
+    fsspec.config.set_conf_env(fsspec.config.conf)
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield s3fs.S3FileSystem(endpoint_url=s3_endpoint)
+    fsspec.config.conf.clear()
+
+
+@pytest.fixture
+def s3_reads():
+    """Bytes s3fs returned per object key, and the keys fetched whole (a GET without a range)."""
+    from ckptflow_testing.s3_reads import counting
+
+    with counting() as (fetched, whole):
+        yield fetched, whole

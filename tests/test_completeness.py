@@ -10,7 +10,6 @@ import pytest
 from mergecore.completeness import poll
 
 s3fs = pytest.importorskip("s3fs")
-from test_storage_s3 import s3_endpoint, s3_env  # noqa: E402,F401  (moto S3 fixtures)
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,7 @@ from datetime import datetime, timezone
 
 import pytest
 from safetensors.numpy import load_file, save_file
-from test_pipeline import GROUPS, merge_group_states
-from test_storage_s3 import s3_endpoint, s3_env  # noqa: F401  (moto server + s3fs fixtures)
+from helpers import GROUPS, free_port, merge_group_states
 
 from flows.promote import promote_checkpoint
 
@@ -104,12 +103,6 @@ def test_existing_cluster_by_address(cli, demo, by_threads, tmp_path, monkeypatc
     assert_same_model(target, by_threads)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.parametrize("flags, message", [
     (["--task-runner", "ray"], "--task-runner ray: choose one of threads, dask"),
     (["--dask-workers", "2"], "apply with --task-runner dask"),
@@ -140,7 +133,7 @@ def test_s3_to_s3_on_two_workers_each_reads_and_writes_its_share(prefect_server,
     from distributed import Client, LocalCluster
 
     from ckptflow_testing.s3_reads import count_s3_reads, s3_reads
-    from test_remote_io import objects, upload
+    from helpers import objects, upload
 
     ckpt = demo("fsdp2-w2-vocab8k")
     source = upload(s3_env, ckpt, "dask-ckpts/d1")

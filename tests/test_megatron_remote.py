@@ -17,8 +17,7 @@ import torch
 
 from ckptflow_testing.megatron_dist_fixtures import OPTIMIZER_KEY, write_dist_checkpoint
 from ckptflow_testing.megatron_fixtures import write_megatron_checkpoint
-from test_remote_io import s3_reads, upload  # noqa: F401  (byte counting at s3fs's boundary)
-from test_storage_s3 import s3_endpoint, s3_env  # noqa: F401  (moto server + s3fs fixtures)
+from helpers import upload
 
 s3fs = pytest.importorskip("s3fs")
 

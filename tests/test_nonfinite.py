@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from mergecore.arrays import nonfinite_counts
-from test_storage_s3 import s3_endpoint, s3_env  # noqa: F401  (moto server + s3fs fixtures)
 
 DIVERGED = "model.layers.1.mlp.up_proj.weight"
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from safetensors import safe_open
-from test_storage_s3 import s3_endpoint, s3_env  # noqa: F401  (moto server + s3fs fixtures)
 
 CHROMIUM = shutil.which("chromium")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not on PATH (./dev test installs it with apt-get)")

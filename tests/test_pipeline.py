@@ -8,44 +8,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections import defaultdict
 
 import pytest
 
 from flows.promote import promote_checkpoint
+from helpers import GROUPS, merge_group_states
 from mergecore import merge_checkpoint
 from mergecore.writer import TensorWriter
-
-GROUPS = ["embed", "layers.0", "layers.1", "head"]
-
-
-def merge_group_states() -> list[dict[str, str]]:
-    """Per merge-checkpoint flow run, oldest first: {group: final state name} of its merge_group task runs.
-
-    Task run states reach the server as events, processed asynchronously: read until two reads agree
-    and every state is final.
-    """
-    import time
-
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
-
-    previous = None
-    for _ in range(100):
-        with get_client(sync_client=True) as client:
-            runs = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="merge_group[")))
-        snapshot = sorted((str(r.id), r.state.name if r.state else None, r.state.is_final() if r.state else False)
-                          for r in runs)
-        if snapshot == previous and all(final for _, _, final in snapshot):
-            break
-        previous = snapshot
-        time.sleep(0.2)
-    by_flow: dict = defaultdict(dict)
-    started: dict = {}
-    for run in runs:
-        by_flow[run.flow_run_id][run.name.removeprefix("merge_group[").rstrip("]")] = run.state.name
-        started[run.flow_run_id] = min(started.get(run.flow_run_id, run.expected_start_time), run.expected_start_time)
-    return [by_flow[f] for f in sorted(by_flow, key=started.get)]
 
 
 def promote(ckpt, target, **options):

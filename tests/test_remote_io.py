@@ -12,33 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from test_storage_s3 import s3_endpoint, s3_env  # noqa: F401  (moto server + s3fs fixtures)
+from helpers import objects, upload
 
 s3fs = pytest.importorskip("s3fs")
 
 MANIFEST = "ckptflow_manifest.json"
-
-
-@pytest.fixture
-def s3_reads():
-    """Bytes s3fs returned per object key, and the keys fetched whole (a GET without a range)."""
-    from ckptflow_testing.s3_reads import counting
-
-    with counting() as (fetched, whole):
-        yield fetched, whole
-
-
-def upload(fs, ckpt, prefix: str) -> str:
-    for bucket in (prefix.split("/")[0], "io-models"):
-        if not fs.exists(bucket):
-            fs.mkdir(bucket)
-    fs.put(str(ckpt.role_dir), f"{prefix}/global_step_1/actor", recursive=True)  # the step is in the card
-    return f"s3://{prefix}/global_step_1/actor"
-
-
-def objects(fs, prefix: str) -> dict[str, bytes]:
-    fs.invalidate_cache()
-    return {path[len(prefix) + 1:]: fs.cat_file(path) for path in fs.find(prefix)}
 
 
 def test_s3_to_s3_merge_is_byte_identical_and_reads_no_optimizer_byte(s3_env, s3_reads, demo, tmp_path):

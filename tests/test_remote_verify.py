@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from test_remote_io import s3_reads  # noqa: F401  (bytes per key at s3fs's boundary)
-from test_storage_s3 import s3_endpoint, s3_env  # noqa: F401  (moto server + s3fs fixtures)
 
 s3fs = pytest.importorskip("s3fs")
 

@@ -202,20 +202,15 @@ def test_deploy_checks_the_revision_pattern_and_normalises_the_checkpoint_root(t
 import contextlib  # noqa: E402
 import json  # noqa: E402
 import signal  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from helpers import free_port  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 PREFECT = Path(sys.executable).with_name("prefect")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def stop(process: subprocess.Popen) -> None:

@@ -2,45 +2,11 @@
 
 from __future__ import annotations
 
-import logging
-import socket
-
 import pytest
 
 from mergecore import compare_with_reference, merge_checkpoint
 
 s3fs = pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    # Its request lines would reach the root logger's handlers: Prefect's console handler, bound to the stderr
-    # of whichever CLI call configured it (a CliRunner stream closed since), breaking later one-line asserts.
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
-
-
-@pytest.fixture
-def s3_env(s3_endpoint, monkeypatch, tmp_path):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("FSSPEC_S3_ENDPOINT_URL", s3_endpoint)  # fsspec passes it to s3fs as endpoint_url
-    monkeypatch.setenv("CKPTFLOW_CACHE", str(tmp_path / "cache"))
-    import fsspec.config
-
-    fsspec.config.conf.clear()
-    fsspec.config.set_conf_env(fsspec.config.conf)
-    s3fs.S3FileSystem.clear_instance_cache()
-    yield s3fs.S3FileSystem(endpoint_url=s3_endpoint)
-    fsspec.config.conf.clear()
 
 
 def test_merge_from_s3_run_root(s3_env, demo, tmp_path):

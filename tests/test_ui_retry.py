@@ -34,7 +34,7 @@ def test_a_ui_retry_resumes_a_failed_promotion(prefect_server, hub, demo, tmp_pa
     from prefect.settings import PREFECT_API_URL
 
     from flows.promote import promote_checkpoint
-    from test_pipeline import merge_group_states
+    from helpers import merge_group_states
 
     ckpt = demo("fsdp2-w2")
     target = tmp_path / "model"

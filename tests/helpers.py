@@ -1,0 +1,58 @@
+"""Plain helpers the tests share (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import socket
+from collections import defaultdict
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def upload(fs, ckpt, prefix: str) -> str:
+    for bucket in (prefix.split("/")[0], "io-models"):
+        if not fs.exists(bucket):
+            fs.mkdir(bucket)
+    fs.put(str(ckpt.role_dir), f"{prefix}/global_step_1/actor", recursive=True)  # the step is in the card
+    return f"s3://{prefix}/global_step_1/actor"
+
+
+def objects(fs, prefix: str) -> dict[str, bytes]:
+    fs.invalidate_cache()
+    return {path[len(prefix) + 1:]: fs.cat_file(path) for path in fs.find(prefix)}
+
+
+GROUPS = ["embed", "layers.0", "layers.1", "head"]
+
+
+def merge_group_states() -> list[dict[str, str]]:
+    """Per merge-checkpoint flow run, oldest first: {group: final state name} of its merge_group task runs.
+
+    Task run states reach the server as events, processed asynchronously: read until two reads agree
+    and every state is final.
+    """
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+
+    previous = None
+    for _ in range(100):
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="merge_group[")))
+        snapshot = sorted((str(r.id), r.state.name if r.state else None, r.state.is_final() if r.state else False)
+                          for r in runs)
+        if snapshot == previous and all(final for _, _, final in snapshot):
+            break
+        previous = snapshot
+        time.sleep(0.2)
+    by_flow: dict = defaultdict(dict)
+    started: dict = {}
+    for run in runs:
+        by_flow[run.flow_run_id][run.name.removeprefix("merge_group[").rstrip("]")] = run.state.name
+        started[run.flow_run_id] = min(started.get(run.flow_run_id, run.expected_start_time), run.expected_start_time)
+    return [by_flow[f] for f in sorted(by_flow, key=started.get)]
