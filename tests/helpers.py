@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from collections import defaultdict
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -56,3 +57,16 @@ def merge_group_states() -> list[dict[str, str]]:
         by_flow[run.flow_run_id][run.name.removeprefix("merge_group[").rstrip("]")] = run.state.name
         started[run.flow_run_id] = min(started.get(run.flow_run_id, run.expected_start_time), run.expected_start_time)
     return [by_flow[f] for f in sorted(by_flow, key=started.get)]
+
+
+def assert_refused(result, target: Path, *fragments: str) -> None:
+    """A refusal as the house wants it: exit 2, one `error:` line holding `fragments`, nothing at or beside `target`.
+    `result`: a CliRunner result or a finished subprocess."""
+    code = result.exit_code if hasattr(result, "exit_code") else result.returncode
+    assert code == 2, result.stderr
+    message = result.stderr.strip()
+    assert message.startswith("error:") and "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+    assert not target.exists()
+    assert not list(target.parent.glob(f".{target.name}.ckptflow-*"))

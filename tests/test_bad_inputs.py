@@ -8,16 +8,7 @@ import shutil
 
 import pytest
 import torch
-
-
-def assert_refused(result, target, *fragments):
-    assert result.exit_code == 2, result.output
-    message = result.stderr.strip()
-    assert message.startswith("error:") and "\n" not in message, message
-    for fragment in fragments:
-        assert fragment in message, message
-    assert not target.exists()
-    assert not list(target.parent.glob(f".{target.name}.ckptflow-*"))
+from helpers import assert_refused
 
 
 def error_lines(result) -> int:

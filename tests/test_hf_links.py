@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import assert_refused
+
 
 def role_copy(demo, tmp_path) -> Path:
     """The demo's role folder copied into tmp_path (links are added to the copy only)."""
@@ -29,16 +31,6 @@ def role_copy(demo, tmp_path) -> Path:
 def run_merge(role: Path, target: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flows.cli", "merge", "--backend", "fsdp", "--local_dir", str(role),
                            "--target_dir", str(target)], capture_output=True, text=True, timeout=timeout)
-
-
-def assert_refused(result, target: Path, *fragments: str) -> None:
-    assert result.returncode == 2, result.stderr
-    message = result.stderr.strip()
-    assert message.startswith("error:") and "\n" not in message, message
-    for fragment in fragments:
-        assert fragment in message, message
-    assert not target.exists()
-    assert not list(target.parent.glob(f".{target.name}.ckptflow-*"))
 
 
 def link_to_secret(hf: Path, tmp_path: Path) -> str:

@@ -23,6 +23,7 @@ from mergecore.formats.fsdp import load_rank_file
 from mergecore.inspect import describe_checkpoint
 from mergecore.layout import check_against_config
 from weights import assert_cast_of, load_folder
+from helpers import assert_refused
 
 # family -> (an expert tensor of the Hub layout, a tensor only that family has, the config's expert-count field)
 FAMILIES = {
@@ -79,15 +80,6 @@ def test_inspect_groups_are_embed_layers_head(family):
 
 # ---- config checks ---------------------------------------------------------------------------------------
 
-def assert_refused(result, target, *fragments):
-    assert result.exit_code == 2, result.output
-    message = result.stderr.strip()
-    assert message.startswith("error:") and "\n" not in message, message
-    for fragment in ("config.json", "--hf_model_path", *fragments):
-        assert fragment in message, message
-    assert not target.exists()
-
-
 @pytest.mark.parametrize("field, value, names", [
     ("experts", 5, "mlp.gate.weight|block_sparse_moe.gate.weight"),
     ("num_hidden_layers", 3, "num_hidden_layers=3"),
@@ -105,7 +97,7 @@ def test_config_disagreeing_with_moe_checkpoint_is_refused(family, cli, tmp_path
     config.pop("layer_types", None)  # a config of another model, consistent in itself (transformers checks that)
     config_path.write_text(json.dumps(config))
     result = cli("merge", "--local_dir", ckpt.role_dir, "--target_dir", tmp_path / "out")
-    assert_refused(result, tmp_path / "out")
+    assert_refused(result, tmp_path / "out", "config.json", "--hf_model_path")
     assert any(part in result.stderr for part in names.split("|")), result.stderr
 
 
