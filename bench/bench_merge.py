@@ -15,12 +15,18 @@ contenders alternate (one sample of each per round), so the machine's slow stret
 `--verl-site` is a folder holding verl 0.9.1 and the few packages its merger imports, installed with
 `pip install --no-deps --target` (never into the project's env): see bench/verl_site.py. Its output is
 compared with ours tensor by tensor before the timings are trusted.
+
+The CRC-32 check of the rank files' zip members (on by default) is timed against the same merge with
+`CKPTFLOW_CHECK_CRC=0`, alternating, whole process and merge phase alone:
+
+    python bench/bench_merge.py --depths 10 --repeat 5 --contenders ckptflow,ckptflow_nocrc
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -62,16 +68,39 @@ def run(label: str, argv: list[str], out: Path, repeat: int, role: Path) -> dict
 
 def merge_phase_seconds(role: Path, out: Path, extra: list[str], repeat: int) -> float:
     """The merge itself (plan + write), as the manifest records it, without start-up or verification."""
+    return statistics.median(merge_phase_samples(role, out, extra, repeat))
+
+
+def merge_phase_samples(role: Path, out: Path, extra: list[str], repeat: int, env: dict | None = None) -> list[float]:
     seconds = []
     for _ in range(repeat):
-        shutil.rmtree(out, ignore_errors=True)
-        warm(f"{role}/model_*.pt")
-        subprocess.run([PYTHON, "-m", "flows.cli", "merge", "--local_dir", str(role), "--target_dir", str(out), *extra],
-                       check=True, capture_output=True)
-        timings = json.loads((out / "ckptflow_manifest.json").read_text())["timings"]
-        seconds.append(timings["merge"])
+        seconds.append(one_merge_phase(role, out, extra, env))
+    return seconds
+
+
+def one_merge_phase(role: Path, out: Path, extra: list[str], env: dict | None = None) -> float:
     shutil.rmtree(out, ignore_errors=True)
-    return statistics.median(seconds)
+    warm(f"{role}/model_*.pt")
+    subprocess.run([PYTHON, "-m", "flows.cli", "merge", "--local_dir", str(role), "--target_dir", str(out), *extra],
+                   check=True, capture_output=True, env=env)
+    seconds = json.loads((out / "ckptflow_manifest.json").read_text())["timings"]["merge"]
+    shutil.rmtree(out, ignore_errors=True)
+    return seconds
+
+
+def crc_phase_ratio(role: Path, out: Path, repeat: int) -> dict:
+    """Merge phase with the CRC-32 check on and off, alternating (one of each per round): medians and the
+    median of the per-round ratios, so a slow stretch of the machine falls on both alike."""
+    extra = ["--dtype", "bf16", "--skip-verify"]
+    on, off = [], []
+    for _ in range(repeat):
+        on.append(one_merge_phase(role, out, extra))
+        off.append(one_merge_phase(role, out, extra, CRC_OFF))
+    return {"on": statistics.median(on), "off": statistics.median(off),
+            "pair_ratio": statistics.median(a / b for a, b in zip(on, off))}
+
+
+CRC_OFF = {**os.environ, "CKPTFLOW_CHECK_CRC": "0"}
 
 
 def main() -> None:
@@ -80,6 +109,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--depths", default="10,20", help="layer counts to write and time (10 is the reference)")
     parser.add_argument("--verl-site", type=Path, help="folder with verl 0.9.1 installed (bench/verl_site.py)")
+    parser.add_argument("--contenders", help="comma-separated keys to time on the 10-layer checkpoint (default: all)")
     args = parser.parse_args()
     if args.verl_site:
         verl_site.check_site(args.verl_site)
@@ -97,19 +127,25 @@ def main() -> None:
             contenders = {
                 "ckptflow": ("ckptflow merge (verified)", [*ckptflow, str(role)]),
                 "ckptflow_noverify": ("ckptflow merge --skip-verify", [*ckptflow, str(role), "--skip-verify"]),
+                "ckptflow_nocrc": ("ckptflow merge, CRC-32 check off", [*ckptflow, str(role)]),
                 "naive": ("naive full-load merge", [PYTHON, str(HERE / "naive_merge.py"), str(role), str(out)]),
                 "verl": ("verl-style (save_pretrained)", [PYTHON, str(HERE / "verl_style_merge.py"), str(role), str(out)]),
                 "cp": ("cp -r + sync", ["bash", "-c", f"cp -r {role} {out} && sync"]),
             }
-            envs = dict.fromkeys(contenders)
+            envs = {**dict.fromkeys(contenders), "ckptflow_nocrc": CRC_OFF}
             if args.verl_site:
                 contenders["verl_real"] = (verl_site.LABEL, verl_site.verl_argv(role, out))
                 envs["verl_real"] = verl_site.verl_env(args.verl_site)
+            if args.contenders:
+                contenders = {key: contenders[key] for key in args.contenders.split(",")}
             medians = alternating_medians({label: (argv, envs[key]) for key, (label, argv) in contenders.items()},
                                           out, args.repeat, f"{role}/model_*.pt")
             results[layers] = {key: medians[label] for key, (label, _) in contenders.items()}
             results[layers]["merge_phase"] = merge_phase_seconds(role, out, ["--dtype", "bf16", "--skip-verify"], args.repeat)
             print(f"  {'merge phase alone':<28} {results[layers]['merge_phase']:7.2f} s")
+            crc = results[layers]["crc_merge_phase"] = crc_phase_ratio(role, out, args.repeat)
+            print(f"  {'merge phase, CRC on / off':<28} {crc['on']:7.2f} s / {crc['off']:.2f} s "
+                  f"(median pair ratio {crc['pair_ratio']:.3f})")
             if args.verl_site:
                 ours_out, verl_out = args.work / "fair-ckptflow", args.work / "fair-verl"
                 ours_argv = [*ckptflow[:-2], str(ours_out), "--local_dir", str(role)]
@@ -120,10 +156,19 @@ def main() -> None:
                 "ckptflow_noverify": run("ckptflow merge --skip-verify", [*ckptflow, str(role), "--skip-verify"], out, args.repeat, role),
             }
 
-    ours, fast, cp = results[10]["ckptflow"], results[10]["ckptflow_noverify"], results[10]["cp"]
+    ours = results[10]["ckptflow"]
     print("\nratios (10 layers; targets from the issue in brackets)")
-    baselines = [("verl", "verl-style merger"), ("naive", "lean full-load merger")]
-    if args.verl_site:
+    if "ckptflow_nocrc" in results[10]:
+        off = results[10]["ckptflow_nocrc"]
+        print(f"  CRC-32 check on / off, whole process: {ours['seconds'] / off['seconds']:.3f}x "
+              f"({ours['work_seconds'] / off['work_seconds']:.3f}x after imports)")
+    if not {"ckptflow_noverify", "cp"} <= set(results[10]):
+        (args.work / "results.json").write_text(json.dumps(results, indent=2))
+        return
+    fast, cp = results[10]["ckptflow_noverify"], results[10]["cp"]
+    baselines = [(name, label) for name, label in [("verl", "verl-style merger"), ("naive", "lean full-load merger")]
+                 if name in results[10]]
+    if args.verl_site and "verl_real" in results[10]:
         baselines.insert(0, ("verl_real", verl_site.LABEL))
     for name, label in baselines:
         base = results[10][name]

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import pickle
 import struct
+import subprocess
+import sys
 import warnings
 import zipfile
 from pathlib import Path
@@ -154,22 +157,25 @@ def with_payload(tree, payload):
 # ---- zip archives by hand ------------------------------------------------------------------
 
 
-def rewrite_archive(data: bytes, pkl: bytes | None = None, replace: dict | None = None, extra=()) -> bytes:
-    """A torch.save archive with data.pkl (and members in `replace`) swapped, `extra` (name, bytes) appended;
-    members aligned to 64 bytes as torch writes them."""
+def rewrite_archive(data: bytes, pkl: bytes | None = None, replace: dict | None = None, extra=(),
+                    compress: dict | None = None) -> bytes:
+    """A torch.save archive with data.pkl (and members in `replace`) swapped, `extra` (name, bytes) appended,
+    members named in `compress` stored with that zip method (the others keep theirs); members aligned to 64 bytes as torch writes them."""
     source = zipfile.ZipFile(io.BytesIO(data))
     prefix = source.infolist()[0].filename.split("/", 1)[0]
     entries = []
     for info in source.infolist():
         name = info.filename.split("/", 1)[-1]
         content = source.open(info).read()
-        entries.append((info.filename, pkl if name == "data.pkl" and pkl is not None else (replace or {}).get(name, content)))
-    entries += [(f"{prefix}/{name}", content) for name, content in extra]
+        entries.append((info.filename, pkl if name == "data.pkl" and pkl is not None else (replace or {}).get(name, content),
+                        info.compress_type))
+    entries += [(f"{prefix}/{name}", content, zipfile.ZIP_STORED) for name, content in extra]
     out = io.BytesIO()
     with warnings.catch_warnings(), zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
         warnings.simplefilter("ignore", UserWarning)  # "Duplicate name": what a tampered archive holds
-        for name, content in entries:
+        for name, content, method in entries:
             info = zipfile.ZipInfo(name)
+            info.compress_type = (compress or {}).get(name.split("/", 1)[-1], method)
             pad = -(out.tell() + 30 + len(name.encode())) % 64
             pad += 64 if 0 < pad < 4 else 0
             info.extra = struct.pack("<HH", 0x4246, pad - 4) + b"Z" * (pad - 4) if pad else b""
@@ -296,6 +302,15 @@ def dunder_state(data: bytes, marker: Path, _target) -> bytes:
     return rewrite_archive(data, to_pickle(tree))
 
 
+def compressed(method: int, member: str = "data.pkl"):
+    """`member` stored compressed; torch.save never compresses. The reproduced bomb was a bzip2 data.pkl of
+    2**30 zero bytes (796 bytes in the file); here the real data.pkl is compressed, which the old reader
+    inflated and merged (rc 0): the refusal must come from the method alone, before anything is inflated."""
+    def payload(data: bytes, marker: Path, _target) -> bytes:
+        return rewrite_archive(data, compress={member: method})
+    return payload
+
+
 def marker_args(marker: Path):
     return (f"touch {marker}",)
 
@@ -322,6 +337,11 @@ STORAGE = {
     "duplicate-data.pkl": (duplicate_data_pkl, "holds data.pkl twice"),
     "duplicate-storage-member": (duplicate_storage, "twice"),
     "dunder-setstate": (dunder_state, "'__class__'"),
+}
+ARCHIVE = {
+    "bzip2-data.pkl": (compressed(zipfile.ZIP_BZIP2), "data.pkl is compressed (bzip2"),
+    "deflate-data.pkl": (compressed(zipfile.ZIP_DEFLATED), "data.pkl is compressed (deflate"),
+    "lzma-byteorder": (compressed(zipfile.ZIP_LZMA, "byteorder"), "byteorder is compressed (lzma"),
 }
 
 
@@ -477,8 +497,9 @@ def assert_refused(result, target: Path, marker: Path, file: Path, reason: str) 
     assert not list(target.parent.glob(f".{target.name}.ckptflow-*")), "a staging folder was left behind"
 
 
+PAYLOADS = {**CODE, **STORAGE, **ARCHIVE}
 CASES = [pytest.param(reader, payload, id=f"{reader}:{payload}")
-         for reader in READERS for payload in {**CODE, **STORAGE}
+         for reader in READERS for payload in PAYLOADS
          if not (reader == "distcp" and payload == "dunder-setstate")  # a chunk item holds a bare tensor
          and not (reader != "fsdp" and payload == "DTensor-shape-10**12")]
 
@@ -489,7 +510,7 @@ def test_hostile_torch_files_are_refused(reader, payload, demo, legacy_ckpt, dis
     original = {"legacy": legacy_ckpt, "dist": dist_ckpt}.get(fixture) or demo(fixture)
     ckpt = copy_run(original, tmp_path / "ckpt")
     marker, target = tmp_path / "pwned", tmp_path / "out" / "model"
-    make, reason = {**CODE, **STORAGE}[payload]
+    make, reason = PAYLOADS[payload]
     file = attack(ckpt, make, marker)
     result = cli("merge", "--local_dir", ckpt.role_dir, "--target_dir", target)
     assert_refused(result, target, marker, file, reason)
@@ -653,3 +674,78 @@ def test_hostile_indexes_are_refused(case, demo, cli, tmp_path):
     assert result.exit_code == 2, result.output
     assert "model.safetensors.index.json" in result.stderr.split("error:", 1)[-1]
     assert len(result.stderr.split("error:", 1)[-1].strip().splitlines()) == 1
+
+
+# ---- damaged bytes: every member a merge reads is checked against the CRC-32 torch.save recorded ------
+
+def damage_tensor_member(path: Path, offset: int = 0, length: int | None = None) -> str:
+    """Overwrite 4 bytes in the middle of the largest tensor member (`.../data/N`) of the torch.save archive at
+    `offset` of `path`, in place (the zip directory keeps the CRC-32 torch recorded); returns the member's name.
+    The reproduced defect: such a file merged with rc 0 and "round-trip ok"."""
+    data = path.read_bytes()
+    item = data[offset:len(data) if length is None else offset + length]
+    infos = [i for i in zipfile.ZipFile(io.BytesIO(item)).infolist() if "/data/" in i.filename]
+    info = max(infos, key=lambda i: i.file_size)
+    name_length, extra_length = struct.unpack_from("<HH", item, info.header_offset + 26)
+    where = offset + info.header_offset + 30 + name_length + extra_length + info.file_size // 2
+    with open(path, "r+b") as f:
+        f.seek(where)
+        f.write(bytes(b ^ 0x5A for b in data[where:where + 4]))
+    return info.filename
+
+
+def damaged_fsdp(ckpt) -> tuple[Path, str]:
+    path = ckpt.role_dir / "model_world_size_2_rank_0.pt"
+    return path, damage_tensor_member(path)
+
+
+def damaged_legacy(ckpt) -> tuple[Path, str]:
+    path = ckpt.role_dir / "model" / "mp_rank_00" / "model.pt"
+    return path, damage_tensor_member(path)
+
+
+def damaged_distcp(ckpt) -> tuple[Path, str]:
+    """The embedding's chunk item inside its .distcp file (each item is a torch.save archive)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = dist_dir(ckpt)
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    info = next(v for i, v in metadata.storage_data.items() if i.fqn == "embedding.word_embeddings.weight")
+    path = folder / info.relative_path
+    return path, damage_tensor_member(path, info.offset, info.length)
+
+
+DAMAGED = {"fsdp": ("fsdp2-w2", damaged_fsdp), "legacy": ("legacy", damaged_legacy), "distcp": ("dist", damaged_distcp)}
+
+
+def merge_process(role: Path, target: Path, **env) -> subprocess.CompletedProcess:
+    """`python -m flows.cli merge` in a process of its own, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "flows.cli", "merge", "--local_dir", str(role), "--target_dir",
+                           str(target)], capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+
+
+@pytest.mark.parametrize("reader", list(DAMAGED))
+def test_damaged_tensor_bytes_are_refused_by_their_crc(reader, demo, legacy_ckpt, dist_ckpt, tmp_path):
+    fixture, damage = DAMAGED[reader]
+    original = {"legacy": legacy_ckpt, "dist": dist_ckpt}.get(fixture) or demo(fixture)
+    ckpt = copy_run(original, tmp_path / "ckpt")
+    path, member = damage(ckpt)
+    target = tmp_path / "out" / "model"
+    result = merge_process(ckpt.role_dir, target)
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = errors[errors.index(next(e for e in errors if e.startswith("error:"))):]  # after the progress line
+    assert len(errors) == 1, result.stderr
+    assert str(path) in errors[0] and f"member {member} fails its CRC-32 check" in errors[0], errors[0]
+    assert not target.exists()
+    assert not list(target.parent.glob(f".{target.name}.ckptflow-*")), "a staging folder was left behind"
+
+
+def test_crc_switch_off_merges_the_damage_silently(demo, tmp_path):
+    """CKPTFLOW_CHECK_CRC=0 (benchmarks only) gives back the old behaviour: the damaged bytes pass the round-trip
+    check, which compares the output with the same damaged input. So the refusal above is the CRC check's."""
+    ckpt = copy_run(demo("fsdp2-w2"), tmp_path / "ckpt")
+    damaged_fsdp(ckpt)
+    result = merge_process(ckpt.role_dir, tmp_path / "out", CKPTFLOW_CHECK_CRC="0")
+    assert result.returncode == 0, result.stderr
+    assert "round-trip ok" in result.stdout

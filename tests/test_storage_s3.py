@@ -104,3 +104,23 @@ def test_truncated_cached_copy_is_fetched_again(s3_env, demo, tmp_path):
 
     assert open(remote.local_file(), "rb").read() == original
     assert not any(".partial-" in p.name for p in (tmp_path / "cache").iterdir())
+
+
+def test_damaged_rank_file_on_s3_is_refused_by_its_crc(s3_env, demo, cli, tmp_path):
+    """Bytes fetched by range are checked like local ones: a rank file with 4 bytes of a tensor member
+    overwritten (its zip directory keeps torch's CRC-32) is refused in one line naming the URL and member."""
+    from test_hostile_files import damaged_fsdp
+
+    from conftest import copy_run
+
+    ckpt = copy_run(demo("fsdp2-w2"), tmp_path / "ckpt")
+    _, member = damaged_fsdp(ckpt)
+    s3_env.put(str(ckpt.role_dir), "ckpts/run4/actor", recursive=True)
+    target = tmp_path / "out"
+    result = cli("merge", "--local_dir", "s3://ckpts/run4/actor", "--target_dir", target)
+    assert result.exit_code == 2, (result.exit_code, result.output, result.stderr)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and result.stderr.rstrip().endswith(errors[0]), result.stderr
+    assert "s3://ckpts/run4/actor/model_world_size_2_rank_0.pt" in errors[0], errors[0]
+    assert f"member {member} fails its CRC-32 check" in errors[0], errors[0]
+    assert not target.exists()

@@ -21,7 +21,7 @@ from ..storage import Location, RangeFile, fetch_ranges
 from .base import CheckpointSource, Piece, TensorInfo
 from .detect import FSDP_RANK_FILE as RANK_FILE
 from .fetching import FetchesByGroup
-from .torchfile import DTensorRecord, ShardedTensorRecord, fetch_archive_metadata, load, mapped_span
+from .torchfile import DTensorRecord, ShardedTensorRecord, fetch_archive_metadata, load, member_span
 
 
 REMOTE_OPENS = 16  # remote rank files whose archive directories are read at once
@@ -211,8 +211,9 @@ class FsdpCheckpoint(FetchesByGroup, CheckpointSource):
         return {}
 
     def _fetched(self, pieces: list[Piece], name: str) -> list[Piece]:
-        """`pieces`, their bytes downloaded first when they come from remote rank files (see FetchesByGroup)."""
-        self._fetch_for(name)
+        """`pieces`, their bytes downloaded first when they come from remote rank files and CRC-checked
+        (see FetchesByGroup)."""
+        self._ready_for(name)
         return pieces
 
     def _reads_remotely(self) -> bool:
@@ -225,10 +226,13 @@ class FsdpCheckpoint(FetchesByGroup, CheckpointSource):
         spans: dict[RangeFile, list[tuple[int, int]]] = {}
         for member in names:
             for piece in self._saved_pieces[member]:
-                span = mapped_span(piece.tensor)
+                span = member_span(piece.tensor)
                 if span and piece.source in self._range_files:
                     spans.setdefault(self._range_files[piece.source], []).append(span)
         fetch_ranges(spans)
+
+    def _saved_arrays(self, names: list[str]):
+        return [piece.tensor for name in names for piece in self._saved_pieces[name]]
 
     @cached_property
     def _saved_pieces(self) -> dict[str, list[Piece]]:

@@ -441,6 +441,10 @@ class MegatronDistCheckpoint(FetchesByGroup, CheckpointSource):
                 wanted.setdefault(self._range_file(info.relative_path), []).append((info.offset, info.offset + info.length))
         fetch_ranges(wanted)
 
+    def _saved_arrays(self, names: list[str]):
+        return [chunk for entry in (self._entries[name] for name in names)
+                for _, _, chunk, _, _ in self._overlapping_chunks(entry.slice, *self._box(entry.slice))]
+
     @cached_property
     def _chunk_files(self) -> dict[str, list[tuple[tuple, tuple, object]]]:
         """key -> [(chunk offsets, chunk sizes, its storage info: relative path, byte offset and length)]."""
@@ -506,7 +510,7 @@ class MegatronDistCheckpoint(FetchesByGroup, CheckpointSource):
         what = f" ({entry.part} part)" if entry.part else ""
         where = f"[{', '.join(map(str, s.index))}]" if s.index else ""
         runs = transform.row_map(s.shape[0], entry.part) if s.shape else []
-        self._fetch_for(name)
+        self._ready_for(name)
         found = False
         for low, high, chunk, inside, info in self._overlapping_chunks(s, box_offsets, box_sizes):
             found = True

@@ -31,7 +31,7 @@ from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from .detect import MP_RANK_DIR
 from .fetching import FetchesByGroup
 from . import torchfile
-from .torchfile import fetch_archive_metadata, mapped_span
+from .torchfile import fetch_archive_metadata, member_span
 from .megatron_checks import check_layers, check_moe
 from .untrusted import Record, megatron_file
 
@@ -208,8 +208,8 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
         fetch_archive_metadata(remote.fetch, remote.path, remote.size, shown, header_slack=0)
         loaded = load_model_file(remote.path, shown)
         chunks = model_chunks(loaded, shown)
-        model = {span for chunk in chunks for value in chunk.values() if (span := mapped_span(value))}
-        remote.keep_out(span for span in map(mapped_span, _arrays(loaded)) if span and span not in model)
+        model = {span for chunk in chunks for value in chunk.values() if (span := member_span(value))}
+        remote.keep_out(span for span in map(member_span, _arrays(loaded)) if span and span not in model)
         self._range_files[shown] = remote
         return chunks
 
@@ -224,7 +224,7 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
         spans: dict[RangeFile, list[tuple[int, int]]] = {}
         for entry in entries:
             for t in range(self.tp):
-                span = mapped_span(self._piece(t, entry))
+                span = member_span(self._piece(t, entry))
                 if span:
                     spans.setdefault(self._range_files[self._shown(t, entry.pp)], []).append(span)
         fetch_ranges(spans)
@@ -237,6 +237,9 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
 
     def _download(self, names: list[str]) -> None:
         self._fetch(self._entries[name] for name in names)
+
+    def _saved_arrays(self, names: list[str]):
+        return [self._piece(t, self._entries[name]) for name in names for t in range(self.tp)]
 
     @cached_property
     def config(self) -> dict:
@@ -398,7 +401,7 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
         entry = self._entries[name]
         transform = entry.transform
         info = self.tensors()[name]
-        self._fetch_for(name)
+        self._ready_for(name)
         position = 0
         what = f" ({entry.part} part)" if entry.part else ""
         for t in range(self.tp):
@@ -442,7 +445,7 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
             self._check_shapes(entry)
         self._check_vocab(entries)
         replicated = [entry for entry in entries.values() if entry.transform.replicated]
-        self._fetch(replicated)
+        self._make_ready([entry.name for entry in replicated])  # compared below: downloaded and CRC-checked
         for entry in replicated:
             self._check_replicated(entry)
         config_file = self.hf_dir.join("config.json")
