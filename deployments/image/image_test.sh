@@ -7,7 +7,7 @@
 #      (from `pip config list`) as build-time volumes;
 #   3. inside the image (`buildah from` + `buildah run --isolation chroot`; containers cannot be started on
 #      machines without cgroup v2 delegation, a chroot can): write a demo checkpoint, `ckptflow merge` it,
-#      `ckptflow verify` it against the reference with logits; outside: merge the same checkpoint with the same
+#      `ckptflow verify` it against the reference with logits, run bench/gpu_check.py (on the CPU); outside: merge the same checkpoint with the same
 #      flags; every output file's sha256 must be identical.
 # Any missing tool or failed step: one line `image-test: error: ...` on stderr and a non-zero exit.
 # Environment: HOST_PYTHON (a Python with ckptflow installed, default .venv/bin/python),
@@ -102,10 +102,12 @@ user=$(buildah run --isolation chroot "$ctr" -- id -u) || fail "buildah run cann
 if buildah run --isolation chroot "$ctr" -- sh -c 'command -v gcc cc make' > /dev/null 2>&1; then
     fail "$IMAGE has build tools on PATH; the final stage must not install them"
 fi
-say "inside (uid $user): demo-checkpoint, merge, verify --reference --logits"
+say "inside (uid $user): demo-checkpoint, merge, verify --reference --logits, bench/gpu_check.py"
 inside ckptflow demo-checkpoint "$data/ckpt" --world-size 2
 inside ckptflow merge --local-dir "$data/ckpt/global_step_1/actor" --target-dir "$data/inside" --dtype bf16
 inside ckptflow verify "$data/inside" --reference "$data/ckpt/reference" --logits
+inside python bench/gpu_check.py --checkpoint "$data/ckpt/global_step_1/actor" --work "$data/gpu_check" --seq-len 8
+grep -q '^gpu_check: ok$' "$WORK/inside.log" || fail "bench/gpu_check.py inside the image did not end with 'gpu_check: ok' (log: $WORK/inside.log)"
 say "outside: the same merge with $HOST_PYTHON"
 "$HOST_PYTHON" -m flows.cli merge --local-dir "$data/ckpt/global_step_1/actor" --target-dir "$data/outside" --dtype bf16 \
     > "$WORK/outside.log" 2>&1 || fail "the merge outside the image failed: $(tail -1 "$WORK/outside.log")"
