@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -202,9 +203,9 @@ REFERENCE_CHECKS = ("reference", "logits")
 
 
 def reference_checks(folder: Path, reference: Path, trust_remote_code: bool = False, logits: bool = True,
-                     atol: float | None = None, rtol: float | None = None) -> list[dict]:
+                     atol: float | None = None, rtol: float | None = None, device: str | None = None) -> list[dict]:
     """`folder` against a reference model: every tensor (exact unless tolerances are given), then the logits
-    (within `atol`, default LOGITS_ATOL, and `rtol`).
+    (within `atol`, default LOGITS_ATOL, and `rtol`) on `device` (see `logits_device`).
 
     >>> [c["check"] for c in reference_checks(Path("out/model"), Path("ref/model"))]  # doctest: +SKIP
     ['reference', 'logits']
@@ -213,7 +214,7 @@ def reference_checks(folder: Path, reference: Path, trust_remote_code: bool = Fa
     results = [{k: v for k, v in tensors.items() if k != "rows"}]
     if logits:
         results.append(compare_logits(folder, reference, LOGITS_ATOL if atol is None else atol, trust_remote_code,
-                                      rtol=rtol or 0.0))
+                                      rtol=rtol or 0.0, device=device))
     return results
 
 
@@ -227,20 +228,49 @@ def _load_model(auto, folder: Path, **kwargs):
                               f"{(str(err).strip().splitlines() or [''])[0]}); {hint}") from None
 
 
+LOGITS_DEVICE_ENV = "CKPTFLOW_LOGITS_DEVICE"
+
+
+def logits_device(requested: str | None = None) -> str:
+    """Where the logits check runs: `requested`, else $CKPTFLOW_LOGITS_DEVICE, else "cuda" when torch sees a GPU,
+    else "cpu". A device that torch does not know or cannot use here is refused in one line.
+
+    >>> logits_device("cpu")
+    'cpu'
+    """
+    import torch
+
+    name = requested or os.environ.get(LOGITS_DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu")
+    told = "the device asked for" if requested else f"${LOGITS_DEVICE_ENV}"
+    try:
+        kind = torch.device(name).type
+    except (RuntimeError, ValueError):
+        raise CheckpointError(f"{told} is {name!r}, not a torch device: use cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError(f"{told} is {name!r} but torch {torch.__version__} sees no CUDA GPU here: "
+                              f"use cpu, or a CUDA build of torch on a GPU machine")
+    if kind not in ("cpu", "cuda"):
+        raise CheckpointError(f"{told} is {name!r}: the logits check runs on cpu or cuda")
+    return name
+
+
 def compare_logits(
     folder: Path, reference: Path, atol: float = LOGITS_ATOL, trust_remote_code: bool = False, seq_len: int = 16,
-    rtol: float = 0.0,
+    rtol: float = 0.0, device: str | None = None,
 ) -> dict:
-    """Logits of the merged model vs the reference, both in the merged dtype, on fixed token ids:
-    equal when |ours - theirs| <= atol + rtol * |theirs| everywhere.
+    """Logits of the merged model vs the reference, both in the merged dtype (bf16, fp16 or fp32), on fixed
+    token ids: equal when |ours - theirs| <= atol + rtol * |theirs| everywhere. Runs on `logits_device(device)`:
+    the GPU when one is present, unless told otherwise. The token ids are drawn on the CPU, so every device
+    sees the same ones.
 
-    Runs on the GPU when one is present.
+    >>> compare_logits(Path("out/model"), Path("ref/model"))["device"]  # doctest: +SKIP
+    'cuda'
     """
     import torch
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = logits_device(device)
     auto = _auto_class(folder)
     kwargs = {"trust_remote_code": trust_remote_code}
     ours = _load_model(auto, folder, dtype="auto", **kwargs).to(device).eval()

@@ -136,3 +136,61 @@ def test_trigger_templates_render_with_and_without_each_field(given):
                                                     jinja_context={"event": event}))
     assert rendered == {"checkpoint": "s3://b/ckpt", "event_id": str(event.id),
                         **{field: OPTIONAL[field] if field in given else None for field in OPTIONAL}}
+
+
+REPO = Path(__file__).parents[1]
+GPU_ENV = {"CKPTFLOW_IMAGE_NAME": "ghcr.io/acme/ckptflow", "CKPTFLOW_IMAGE_TAG": "1-cuda"}
+
+
+def gpu_deployment() -> dict:
+    (gpu,) = [d for d in SPEC["deployments"] if d["name"] == "promote-gpu"]
+    return gpu
+
+
+def test_the_gpu_deployment_builds_and_pushes_the_cuda_variant_of_the_containerfile(monkeypatch):
+    """`prefect deploy --name promote-gpu` builds deployments/image/Containerfile with TORCH=cuda, pushes that
+    tag, and the pool's jobs run the very image pushed, from the folder the image holds the sources in."""
+    import inspect
+    import re
+
+    from docker.api.build import BuildApiMixin
+    from prefect.cli.deploy._models import PrefectYamlModel
+    from prefect.utilities.templating import apply_values
+
+    PrefectYamlModel(**SPEC)  # what `prefect deploy` reads the file with
+    gpu = gpu_deployment()
+    (build,) = gpu["build"]
+    step = build["prefect_docker.deployments.steps.build_docker_image"]
+    containerfile = REPO / step["dockerfile"]
+    assert step["dockerfile"] == "deployments/image/Containerfile" and containerfile.is_file()
+    text = containerfile.read_text()
+    # prefect-docker hands the extra keys to docker-py's build(): they must be its parameters.
+    extra = set(step) - {"id", "requires", "image_name", "tag", "dockerfile"}
+    assert extra == {"buildargs"} and extra <= set(inspect.signature(BuildApiMixin.build).parameters)
+    assert step["buildargs"] == {"TORCH": "cuda"}
+    declared = set(re.findall(r"^ARG (\w+)", text, re.M))
+    assert set(step["buildargs"]) <= declared and {"BASE", "PIP_CERT", "PIP_FIND_LINKS", "PIP_INDEX_URL"} <= declared
+    assert re.search(r"^\s+cuda\) ", text, re.M)  # the variant the build argument selects
+    (push,) = gpu["push"]
+    pushed = push["prefect_docker.deployments.steps.push_docker_image"]
+    assert (pushed["image_name"], pushed["tag"]) == ("{{ build-image.image_name }}", "{{ build-image.tag }}")
+    for name, value in GPU_ENV.items():  # Prefect fills `{{ $NAME }}` from the environment of `prefect deploy`
+        monkeypatch.setenv(name, value)
+    built = apply_values(step, {})
+    image = apply_values(gpu["work_pool"]["job_variables"]["image"], {})
+    assert image == f"{built['image_name']}:{built['tag']}" == "ghcr.io/acme/ckptflow:1-cuda"
+    (pull,) = gpu["pull"]
+    workdir = pull["prefect.deployments.steps.set_working_directory"]["directory"]
+    entry_folder = gpu["entrypoint"].split("/")[0]
+    assert f"COPY {entry_folder} {workdir}/{entry_folder}" in text and f"WORKDIR {workdir}" in text
+
+
+def test_the_build_context_keeps_what_the_containerfile_copies():
+    """.dockerignore (read by docker and podman) sends only the sources: every COPY source stays included."""
+    import re
+
+    text = (REPO / "deployments" / "image" / "Containerfile").read_text()
+    ignore = (REPO / ".dockerignore").read_text().splitlines()
+    sources = {src for line in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M) for src in line.split()}
+    assert sources and {f"!{src}" for src in sources} <= set(ignore)
+    assert ignore[ignore.index("*") if "*" in ignore else 0] == "*"  # everything else (.venv, .git, demo) is left out
