@@ -119,7 +119,8 @@ def _expected_config(config: dict, source: CheckpointSource, manifest: dict) -> 
     from .dtypes import resolve_dtype
     from .layout import tied_embeddings
     from .output import output_config
-    from .plan import make_plan, parse_size
+    from .budget import parse_size
+    from .plan import make_plan
 
     options = manifest["source"].get("options") or {}
     dtype = resolve_dtype(str(options.get("dtype") or "auto"), config)
