@@ -93,6 +93,7 @@ def verify_copied_files(folder: Path, source: CheckpointSource, manifest: dict) 
     from .formats.base import read_hf_config
     from .output import copied_names
 
+    config = read_hf_config(source)  # first: a source whose huggingface/ is gone is a missing input, not a mismatch
     expected = copied_names(source)
     weights = {name for name in manifest["files"] if name.endswith(WEIGHT_SUFFIXES)}
     described = {name for name in manifest["files"] if "/" not in name and name not in weights
@@ -106,7 +107,6 @@ def verify_copied_files(folder: Path, source: CheckpointSource, manifest: dict) 
             if hashlib.sha256(theirs.read()).hexdigest() != sha256_file(folder / name):
                 raise VerificationError(f"{folder / name}: differs from {source.hf_dir.join(name)}; the copied file "
                                         "was changed after the merge: merge again")
-    config = read_hf_config(source)
     written = read_json(folder / "config.json", fix="merge again")
     if written != _expected_config(config, source, manifest):
         raise VerificationError(f"{folder / 'config.json'}: is not the config.json a merge writes from "
