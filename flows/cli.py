@@ -148,9 +148,16 @@ class _Bars(Progress):
     """A progress display that vanishes when the command fails or is interrupted: the error stays the only line."""
 
     def __exit__(self, kind, value, traceback):
-        if kind is not None:
-            self.live.transient = True
-        return super().__exit__(kind, value, traceback)
+        if kind is None:
+            return super().__exit__(kind, value, traceback)
+        self.live.transient = True
+        quiet = self.console.quiet
+        # not a terminal (a log, a pipe): nothing of the display may stay, not even the newline it ends with
+        self.console.quiet = quiet or not self.console.is_terminal
+        try:
+            return super().__exit__(kind, value, traceback)
+        finally:
+            self.console.quiet = quiet
 
 
 def _progress(unit: str = "groups") -> Progress:
