@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MERGE_IMPORTS = ("flows.cli", "mergecore", "mergecore.merge", "mergecore.formats.fsdp", "mergecore.formats.torchfile",
-                 "mergecore.formats.untrusted", "mergecore.writer", "mergecore.output", "mergecore.publish",
-                 "mergecore.verify", "mergecore.arrays")
+MERGE_IMPORTS = ("flows.cli", "mergecore", "mergecore.engine.merge", "mergecore.formats.fsdp", "mergecore.formats.torchfile",
+                 "mergecore.formats.untrusted", "mergecore.engine.writer", "mergecore.targets.output", "mergecore.targets.publish",
+                 "mergecore.proofs.verify", "mergecore.numbers.arrays")
 HEAVY = ("torch", "transformers", "ml_dtypes", "prefect", "megatron")
 
 

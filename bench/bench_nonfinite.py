@@ -25,8 +25,8 @@ from bench_merge import checkpoint, warm  # noqa: E402
 
 
 def merge_seconds(role: Path, out: Path, check: bool) -> float:
-    import mergecore.merge as merge
-    from mergecore.arrays import nonfinite_counts
+    import mergecore.engine.merge as merge
+    from mergecore.numbers.arrays import nonfinite_counts
 
     merge.nonfinite_counts = nonfinite_counts if check else (lambda array: None)
     try:
@@ -42,7 +42,7 @@ def merge_seconds(role: Path, out: Path, check: bool) -> float:
 def check_alone(role: Path) -> tuple[float, int]:
     """Seconds of `nonfinite_counts` over every converted tensor, and how many bytes it looked at."""
     from mergecore import prepare
-    from mergecore.arrays import nonfinite_counts
+    from mergecore.numbers.arrays import nonfinite_counts
 
     prepared = prepare(str(role), dtype="bf16")
     seconds = checked = 0

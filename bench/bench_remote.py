@@ -55,7 +55,7 @@ def counted_bytes(source: str, group_only: bool) -> collections.Counter:
     s3fs.S3FileSystem.clear_instance_cache()
     try:
         from mergecore import merge_group, prepare
-        from mergecore.writer import prepare_files
+        from mergecore.engine.writer import prepare_files
 
         prepared = prepare(source, dtype="bf16")
         with tempfile.TemporaryDirectory() as scratch:

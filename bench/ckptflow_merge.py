@@ -4,7 +4,7 @@
 import sys
 import time
 
-import mergecore.merge  # noqa: F401
+import mergecore.engine.merge  # noqa: F401
 from flows.cli import app
 
 started = time.perf_counter()

@@ -4,7 +4,7 @@
     python bench/gpu_check.py --require-cuda        # on a GPU machine: refuse to fall back to the CPU
     python bench/gpu_check.py --checkpoint RUN/global_step_1/actor --reference RUN/reference
 
-On a machine where torch sees a GPU, the logits check runs there (`mergecore.verify.logits_device`); without
+On a machine where torch sees a GPU, the logits check runs there (`mergecore.proofs.verify.logits_device`); without
 one the same steps run on the CPU and the first line says so. For each dtype it prints one result line,
 `result dtype=bf16 device=cuda ok=True max_abs_diff=0 merge_s=... logits_s=...`, and ends with `gpu_check: ok`
 (exit 0) or `gpu_check: FAILED` (exit 1). The merged weights equal the reference's cast to the same dtype, so the
@@ -71,7 +71,7 @@ def demo_checkpoint(args, work: Path) -> tuple[Path, Path]:
 def check_dtype(role: Path, reference: Path, out: Path, dtype: str, args) -> dict:
     """Merge to `dtype` (with its round-trip verification), then the logits check against the reference."""
     from mergecore import merge_checkpoint
-    from mergecore.verify import compare_logits
+    from mergecore.proofs.verify import compare_logits
 
     start = time.perf_counter()
     merge_checkpoint(str(role), out, dtype=dtype, overwrite=True)

@@ -1,6 +1,6 @@
 """Write legacy verl Megatron checkpoints from Hugging Face models, for tests and demos.
 
-The re-sharder is the merge run backwards: the same mapping tables (`mergecore.megatron_maps`)
+The re-sharder is the merge run backwards: the same mapping tables (`mergecore.families.megatron_maps`)
 and the inverse transforms (`Transform.split`) cut every Hugging Face tensor into the pieces each
 TP x PP x VPP rank of Megatron-core would hold, and each rank's `model.pt` is written the way verl's
 legacy Megatron checkpoint manager wrote it (a list of per-virtual-stage state dicts), or the way
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from mergecore.megatron_maps import L, freeze, table_for
-from mergecore.transforms import Replicated, ReplicatedGatedMLP, make_transform, pad_vocab
+from mergecore.families.megatron_maps import L, freeze, table_for
+from mergecore.families.transforms import Replicated, ReplicatedGatedMLP, make_transform, pad_vocab
 
 __all__ = ["ARCHS", "MegatronFixture", "tiny_model", "reshard", "write_megatron_checkpoint"]
 

@@ -127,7 +127,7 @@ def write_lora_adapter(local_dir, target_dir, backend, role, hf_model_path, over
     """Write the PEFT adapter folder when the LoRA output is `adapter` and return None; else the opened
     source, for the normal merge (opened once), with the LoRA output chosen put in `overrides`."""
     from mergecore import open_checkpoint, open_target, write_adapter_folder
-    from mergecore.lora import output_mode
+    from mergecore.views.lora import output_mode
 
     open_target(target_dir).check(overwrite, [local_dir])  # refused before the checkpoint is read, as always
     source = open_checkpoint(local_dir, role, backend, hf_model_path)
@@ -199,7 +199,7 @@ def run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_sh
 
 def warn_nonfinite(found: dict) -> None:
     """One warning line per published tensor holding NaN/Inf (always shown: `warn` publishes them)."""
-    from mergecore.nonfinite import describe_counts
+    from mergecore.numbers.nonfinite import describe_counts
 
     for name, counts in found.items():
         err.print(f"[bold yellow]warning:[/] {name}: {describe_counts(counts)} (published; listed in the manifest)",
@@ -258,7 +258,7 @@ def merge(
     manifest = run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size,
                          tie_word_embedding, is_value_model, overwrite, not skip_verify, check_replicas, workers,
                          custom_mapping, on_nonfinite, overrides or None, source)
-    from mergecore.nonfinite import nonfinite_found
+    from mergecore.numbers.nonfinite import nonfinite_found
 
     warn_nonfinite(nonfinite_found(manifest.get("groups_written", [])))
     checks = ", ".join(f"{c['check']} ok" for c in manifest.get("verification", [])) or "not verified"
@@ -289,7 +289,7 @@ def test_command(
     custom_mapping: Optional[str] = CUSTOM_MAPPING,
 ):
     """Merge into a temporary folder and compare it with a reference model (verl's `test`)."""
-    from mergecore.verify import reference_checks
+    from mergecore.proofs.verify import reference_checks
 
     if trust_remote_code and not logits:
         refuse("--trust-remote-code applies to the logits check, which --no-logits turns off: drop one of them")
@@ -326,7 +326,7 @@ def verify(
 
     A manifest's source is opened only when it is a local path or given with --source: verifying a downloaded
     model never contacts a host its manifest names."""
-    from mergecore.verify import reference_checks
+    from mergecore.proofs.verify import reference_checks
 
     if not reference and (logits or trust_remote_code or atol is not None or rtol is not None):
         refuse("--logits, --trust-remote-code, --atol and --rtol apply to the comparison with a reference model: "
@@ -349,7 +349,7 @@ def verify_folder(folder: Path, skip_source: bool, custom_mapping: Optional[str]
                   source_path: Optional[str] = None) -> list:
     """Manifest hashes and (unless `skip_source`) the copied files and the round trip against the source."""
     from mergecore import verify_manifest, verify_round_trip
-    from mergecore.verify import load_manifest, verify_copied_files
+    from mergecore.proofs.verify import load_manifest, verify_copied_files
 
     results = [verify_manifest(folder)]
     if not skip_source:
@@ -364,7 +364,7 @@ def verify_remote_folder(target: str, skip_source: bool, custom_mapping: Optiona
                          hf_model_path: Optional[str], source_path: Optional[str] = None) -> list:
     """`verify_folder` for a model on object storage: file by file, by ranged reads, no whole local copy."""
     from mergecore import open_target
-    from mergecore.remote_verify import verify_remote
+    from mergecore.proofs.remote_verify import verify_remote
 
     manifest = open_target(target).require_manifest()
     source = None if skip_source else merged_source(manifest, custom_mapping, hf_model_path, source_path)
@@ -376,8 +376,8 @@ def merged_source(manifest: dict, custom_mapping: Optional[str], hf_model_path: 
     """The checkpoint a manifest names (or `source_path`), opened as its merge opened it (options, LoRA fused, Hub
     layout); a location from the manifest only when local (`verify.manifest_source`)."""
     from mergecore import open_checkpoint
-    from mergecore.merge import merge_view
-    from mergecore.verify import manifest_source
+    from mergecore.engine.merge import merge_view
+    from mergecore.proofs.verify import manifest_source
 
     location, hf_dir = manifest_source(manifest, source_path, hf_model_path)
     used = {**manifest["source"].get("options", {})}  # how the merge opened it

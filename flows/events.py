@@ -15,7 +15,7 @@ import re
 import uuid
 
 from mergecore import CheckpointError
-from mergecore.retries import Retries
+from mergecore.storage.retries import Retries
 
 EVENT = "checkpoint.uploaded"
 _STEP_FOLDER = re.compile(r"^global_step_(\d+)$")

@@ -22,8 +22,8 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from mergecore import CheckpointError
-from mergecore.completeness import TRACKER_FILE
-from mergecore.output import MANIFEST_FILE
+from mergecore.formats.completeness import TRACKER_FILE
+from mergecore.targets.output import MANIFEST_FILE
 from mergecore.storage import Location
 
 from .events import promotion_place

@@ -17,8 +17,8 @@ from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
 
-from mergecore.nonfinite import check_nonfinite_policy, nonfinite_found
-from mergecore.output import BackgroundHashes
+from mergecore.numbers.nonfinite import check_nonfinite_policy, nonfinite_found
+from mergecore.targets.output import BackgroundHashes
 from mergecore.storage import Location
 from mergecore.targets import open_target
 from tasks import (discover_shards, finalize_model, merge_file, merge_group, plan_groups, prepare_staging, push_to_hub,

@@ -1,6 +1,6 @@
 """`ckptflow watch`: storage that sends no notifications, polled for new complete checkpoints.
 
-Each poll lists the root once (`mergecore.completeness.poll`); a checkpoint that is complete and unchanged
+Each poll lists the root once (`mergecore.formats.completeness.poll`); a checkpoint that is complete and unchanged
 since the previous poll is announced with one `checkpoint.uploaded` event (`flows.events`), then recorded in
 a state file, written atomically, so a restarted watcher neither announces it again nor forgets the sizes
 it saw. A crash between the POST and the state write announces that checkpoint once more after the restart:
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from mergecore import CheckpointError
-from mergecore.completeness import poll
+from mergecore.formats.completeness import poll
 from mergecore.storage import Location
 
 from .events import checkpoint_event, post_events

@@ -15,10 +15,10 @@ import importlib
 from .errors import CheckpointError, VerificationError
 
 _WHERE = {
-    "open_checkpoint": "formats", "MergePlan": "plan", "open_target": "targets",
+    "open_checkpoint": "formats", "MergePlan": "engine.plan", "open_target": "targets",
     "merge_checkpoint": "api", "write_adapter_folder": "api",
-    **{name: "merge" for name in ("Prepared", "merge_group", "prepare")},
-    **{name: "verify" for name in ("compare_logits", "compare_with_reference", "verify_manifest", "verify_round_trip")},
+    **{name: "engine.merge" for name in ("Prepared", "merge_group", "prepare")},
+    **{name: "proofs.verify" for name in ("compare_logits", "compare_with_reference", "verify_manifest", "verify_round_trip")},
 }
 
 __all__ = [

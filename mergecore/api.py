@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .formats import CheckpointSource
-from .merge import Prepared, Stopwatch, metadata_bytes, prepare
-from .nonfinite import check_nonfinite_policy
+from .engine.merge import Prepared, Stopwatch, metadata_bytes, prepare
+from .numbers.nonfinite import check_nonfinite_policy
 from .targets import Target, open_target
 from .targets.base import check_apart
 
@@ -82,7 +82,7 @@ def write_adapter_folder(source: CheckpointSource, target: str | Path | Target, 
     >>> write_adapter_folder(open_checkpoint("ckpts/run1"), "out/adapter")  # doctest: +SKIP
     {'adapter': 'out/adapter', 'tensors': 8, 'pieces': 16, 'r': 8, 'alpha': 16.0}
     """
-    from .lora import adapter_of, write_adapter_files
+    from .views.lora import adapter_of, write_adapter_files
 
     inner, hyper = adapter_of(source, overrides)  # refuses without alpha, before anything is written
     target = open_target(target)

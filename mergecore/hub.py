@@ -18,7 +18,7 @@ import stat
 from pathlib import Path
 
 from .errors import CheckpointError, VerificationError
-from .retries import Retries
+from .storage.retries import Retries
 
 
 def push_folder(

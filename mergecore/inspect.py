@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from .arrays import element_size
+from .numbers.arrays import element_size
 from .formats import open_checkpoint
-from .hub_layout import hub_view
-from .layout import group_of
-from .lora import hf_name, is_lora_checkpoint, is_lora_only, read_hyperparameters
+from .views.hub_layout import hub_view
+from .families.layout import group_of
+from .views.lora import hf_name, is_lora_checkpoint, is_lora_only, read_hyperparameters
 
 
 def describe_checkpoint(path: str, role: str = "actor", backend: str = "auto", custom_mapping: str | None = None,

@@ -21,12 +21,12 @@ import math
 import re
 from pathlib import Path
 
-from .arrays import element_size
+from .numbers.arrays import element_size
 from .errors import CheckpointError
 from .formats.fetching import places_only
 from .inspect import describe_source
-from .layout import group_of
-from .lora import hf_name, is_lora_name
+from .families.layout import group_of
+from .views.lora import hf_name, is_lora_name
 
 MAX_COLUMNS = 128   # heat-map columns at most: more holders are drawn as buckets of ranks
 OPEN_TENSORS = 60   # a checkpoint of up to this many tensors shows them all opened

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prefect.cache_policies import CachePolicy
 
-from mergecore.fingerprints import file_key, group_key
+from mergecore.engine.fingerprints import file_key, group_key
 
 from .locks import FlockLockManager
 from .sources import prepared_for

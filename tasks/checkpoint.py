@@ -6,7 +6,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from mergecore import MergePlan
-from mergecore.fingerprints import input_fingerprints
+from mergecore.engine.fingerprints import input_fingerprints
 from mergecore.targets import open_target
 
 from .sources import CheckpointRef, prepared_for, source_for

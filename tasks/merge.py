@@ -11,10 +11,10 @@ from prefect.cache_policies import NO_CACHE
 
 from mergecore import CheckpointError, MergePlan
 from mergecore import merge_group as merge_one_group
-from mergecore.nonfinite import nonfinite_error, nonfinite_found
-from mergecore.output import BackgroundHashes
+from mergecore.numbers.nonfinite import nonfinite_error, nonfinite_found
+from mergecore.targets.output import BackgroundHashes
 from mergecore.targets import open_target
-from mergecore.verify import reference_checks
+from mergecore.proofs.verify import reference_checks
 
 from .sources import CheckpointRef, prepared_for
 

@@ -40,7 +40,7 @@ class CheckpointRef:
 
 @lru_cache(maxsize=4)
 def _opened(ref: CheckpointRef, fingerprints: str) -> CheckpointSource:
-    from mergecore.merge import merge_view
+    from mergecore.engine.merge import merge_view
 
     # the groups read the view prepare() planned (a LoRA checkpoint fused, the Hub's layout)
     return merge_view(open_checkpoint(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.custom_mapping),
@@ -75,7 +75,7 @@ def _fingerprints_in_run(ref: CheckpointRef, run_id) -> str:
 
 
 def _listed_and_stated(ref: CheckpointRef) -> str:
-    from mergecore.fingerprints import digest, input_fingerprints
+    from mergecore.engine.fingerprints import digest, input_fingerprints
 
     return digest(input_fingerprints(open_checkpoint(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.custom_mapping)))
 
@@ -96,7 +96,7 @@ def lora_options(checkpoint: str, role: str, backend: str, hf_dir: str | None, c
     and the explicit hyperparameters; () for a checkpoint without LoRA. The pipeline publishes a fused model:
     an adapter-only output (`--lora adapter`, or save_lora_only without --base-model) is refused in one line."""
     from mergecore import CheckpointError
-    from mergecore.lora import output_mode
+    from mergecore.views.lora import output_mode
 
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if custom_mapping is not None:

@@ -8,7 +8,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from mergecore.targets import open_target
-from mergecore.verify import REFERENCE_CHECKS, reference_checks
+from mergecore.proofs.verify import REFERENCE_CHECKS, reference_checks
 
 
 @task(name="run_equivalence_tests", cache_policy=NO_CACHE)

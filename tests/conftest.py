@@ -49,7 +49,7 @@ ALL = {**VARIANTS, **FAMILIES, **WEIGHT_HEAVY}
 
 @pytest.fixture(scope="session", autouse=True)
 def config_check_cache(tmp_path_factory):
-    """The config check's answers (`mergecore.config_check`) kept for this session only, not in ~/.cache."""
+    """The config check's answers (`mergecore.families.config_check`) kept for this session only, not in ~/.cache."""
     import os
 
     before = os.environ.get("CKPTFLOW_CONFIG_CACHE")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from mergecore.arrays import cast, cast_into, dtype_of, to_numpy, to_torch
+from mergecore.numbers.arrays import cast, cast_into, dtype_of, to_numpy, to_torch
 
 
 def f32(*bits: int) -> np.ndarray:
@@ -88,7 +88,7 @@ def test_bfloat16_arrays_are_their_bits_and_round_trip_through_torch():
 
 
 def test_merge_path_imports_neither_ml_dtypes_nor_torch():
-    code = ("import sys, mergecore, mergecore.formats.fsdp, mergecore.merge, mergecore.verify; "
+    code = ("import sys, mergecore, mergecore.formats.fsdp, mergecore.engine.merge, mergecore.proofs.verify; "
             "print(sorted(m for m in ('ml_dtypes', 'torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -87,7 +87,7 @@ def test_megatron_blocks_equal_the_transformed_tensor(name, megatron_tp2):
 
 
 def test_a_bad_budget_is_one_line(monkeypatch):
-    from mergecore.budget import chunk_bytes
+    from mergecore.numbers.budget import chunk_bytes
 
     monkeypatch.setenv("CKPTFLOW_CHUNK_BYTES", "lots")
     with pytest.raises(CheckpointError, match="CKPTFLOW_CHUNK_BYTES='lots': not a size"):
@@ -96,6 +96,6 @@ def test_a_bad_budget_is_one_line(monkeypatch):
 
 
 def test_budget_docstrings():
-    import mergecore.budget
+    import mergecore.numbers.budget
 
-    assert doctest.testmod(mergecore.budget).failed == 0
+    assert doctest.testmod(mergecore.numbers.budget).failed == 0

@@ -1,4 +1,4 @@
-"""mergecore.completeness on real fixture checkpoints copied in part, as an upload in progress leaves them."""
+"""mergecore.formats.completeness on real fixture checkpoints copied in part, as an upload in progress leaves them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mergecore.completeness import poll
+from mergecore.formats.completeness import poll
 
 s3fs = pytest.importorskip("s3fs")
 

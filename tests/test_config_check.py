@@ -1,5 +1,5 @@
 """config.json is checked against what the merge writes by transformers itself: the model it names, built on the meta
-device, must save exactly the merged tensor names and shapes (`mergecore.config_check`).
+device, must save exactly the merged tensor names and shapes (`mergecore.families.config_check`).
 
 Qwen3-Next is the family the old hand-written shape table refused (gated full attention makes `q_proj`
 2 x heads x head_dim wide; linear attention has its own head count and size): a tiny `Qwen3NextForCausalLM`

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from mergecore import CheckpointError, merge_checkpoint
-from mergecore.writer import check_free_space
+from mergecore.engine.writer import check_free_space
 
 PYTHON = sys.executable
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import mergecore
-from mergecore import fingerprints
-from mergecore.fingerprints import NOT_OUTPUT_CODE, OUTPUT_CODE, code_version
+from mergecore.engine import fingerprints
+from mergecore.engine.fingerprints import NOT_OUTPUT_CODE, OUTPUT_CODE, code_version
 
 PACKAGE = Path(mergecore.__file__).parent
 
@@ -43,7 +43,7 @@ def test_copy_of_the_tree_hashes_like_the_package(tree):
     assert code_version(tree) == code_version()
 
 
-@pytest.mark.parametrize("module", ["hub.py", "verify.py", "inspect.py", "errors.py", "__init__.py"])
+@pytest.mark.parametrize("module", ["hub.py", "proofs/verify.py", "inspect.py", "errors.py", "__init__.py"])
 def test_editing_a_module_outside_the_output_keeps_the_hash(tree, module):
     before = code_version(tree)
     append_comment(tree / module)
@@ -51,7 +51,7 @@ def test_editing_a_module_outside_the_output_keeps_the_hash(tree, module):
     assert code_version(tree) == before
 
 
-@pytest.mark.parametrize("module", ["writer.py", "transforms.py", "formats/megatron_legacy.py", "output.py", "arrays.py"])
+@pytest.mark.parametrize("module", ["engine/writer.py", "families/transforms.py", "formats/megatron_legacy.py", "targets/output.py", "numbers/arrays.py"])
 def test_editing_output_code_changes_the_hash(tree, module):
     before = code_version(tree)
     append_comment(tree / module)

@@ -48,7 +48,7 @@ def test_moe_cast_keeps_hub_names_and_bf16_values(moe, tmp_path):
 
 def test_each_expert_is_one_slice_of_the_packed_tensor(moe):
     """Bounded memory: an output tensor is read from the part of each rank's shard it needs."""
-    from mergecore.merge import merge_view
+    from mergecore.engine.merge import merge_view
 
     source = merge_view(open_checkpoint(str(moe.role_dir)))  # the saved names are transformers' in-memory ones
     pieces = list(source.pieces("model.layers.0.mlp.experts.3.up_proj.weight"))
@@ -64,8 +64,8 @@ def test_vlm_names_and_groups_are_the_hub_layout(tmp_path):
     vision tower gets groups of its own (never the embed or head group)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from mergecore.hub_layout import hub_slices
-    from mergecore.layout import group_of
+    from mergecore.views.hub_layout import hub_slices
+    from mergecore.families.layout import group_of
 
     config = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -96,3 +96,14 @@ def test_the_checker_sees_a_circle_hidden_in_a_function(tmp_path):
     source = tmp_path / "m.py"
     source.write_text("def f():\n    from .n import g\n")
     assert imported("pkg.m", source, {"pkg.n": source}) == {"pkg.n"}
+
+
+def test_the_architecture_page_names_every_package_by_its_docstring():
+    """docs/architecture.md collects each mergecore sub-package's first docstring line, and mergecore's top holds
+    at most eight modules (the rest live in sub-packages)."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    packages = sorted(p.parent.name for p in (ROOT / "mergecore").glob("*/__init__.py"))
+    for package in packages:
+        first = ast.get_docstring(ast.parse((ROOT / "mergecore" / package / "__init__.py").read_text())).splitlines()[0]
+        assert f"| `{package}/` | {first} |" in page, package
+    assert len(list((ROOT / "mergecore").glob("*.py"))) <= 8

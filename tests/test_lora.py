@@ -140,7 +140,7 @@ def test_fused_tensors_stream_in_row_blocks_to_the_same_bytes(lora_full, tmp_pat
     """A fused tensor is written in row blocks within the memory budget, and the bytes do not depend on the
     blocking (the round-trip check rebuilds each block bit for bit)."""
     from mergecore import merge_checkpoint, open_checkpoint
-    from mergecore.merge import merge_view
+    from mergecore.engine.merge import merge_view
 
     outputs = {}
     for budget in (0, 4096):
@@ -154,7 +154,7 @@ def test_fused_tensors_stream_in_row_blocks_to_the_same_bytes(lora_full, tmp_pat
 
 
 def test_fused_tensors_equal_merge_and_unload(fused, lora_full):
-    from mergecore.tensorio import HfWeights
+    from mergecore.storage.tensorio import HfWeights
 
     ref = load_file(lora_full.reference_dir / "model.safetensors")
     with HfWeights(fused) as ours:
@@ -200,7 +200,7 @@ def test_lora_fuse_writes_no_adapter_and_a_new_alpha_is_not_a_reused_merge(cli, 
                "--dtype", "fp32").exit_code == 0
     assert not (target / "lora_adapter").exists()
     q = "model.layers.0.self_attn.q_proj.weight"
-    from mergecore.tensorio import HfWeights
+    from mergecore.storage.tensorio import HfWeights
 
     with HfWeights(target) as weights:
         alpha16 = weights.get(q).copy()
@@ -250,7 +250,7 @@ def test_moe_lora_merges_to_merge_and_unloads_hub_layout(cli, lora_moe, tmp_path
     writes them, and the fused model gives the PEFT model's own logits."""
     from transformers import AutoModelForCausalLM
 
-    from mergecore.tensorio import HfWeights
+    from mergecore.storage.tensorio import HfWeights
 
     names = _rank0_names(lora_moe)
     assert "base_model.model.model.layers.0.mlp.experts.gate_up_proj" in names  # packed in the rank files
@@ -316,7 +316,7 @@ def test_full_save_with_lora_adapter_writes_the_peft_folder(cli, lora_full, tmp_
 
 
 def _check_fused(target, demo):
-    from mergecore.tensorio import HfWeights
+    from mergecore.storage.tensorio import HfWeights
 
     ref = load_file(demo.reference_dir / "model.safetensors")  # merge_and_unload().save_pretrained
     with HfWeights(target) as ours:
@@ -397,7 +397,7 @@ def test_lora_flag_on_a_plain_checkpoint_is_refused(cli, demo, tmp_path):
 
 def test_promote_publishes_the_fused_model_with_its_adapter(prefect_server, lora_full, tmp_path):
     from flows.promote import promote_checkpoint
-    from mergecore.tensorio import HfWeights
+    from mergecore.storage.tensorio import HfWeights
 
     target = tmp_path / "model"
     promote_checkpoint(checkpoint=str(lora_full.run_root), target=str(target), dtype="fp32")

@@ -22,7 +22,7 @@ from mcore_real import (LAYOUTS as REAL_LAYOUTS, PARALLEL, PARALLEL_IDS, assert_
                         needs_megatron, parallel_save, tp1_save)
 from mergecore import CheckpointError, VerificationError, compare_with_reference, merge_checkpoint
 from mergecore import open_checkpoint, prepare, verify_round_trip
-from mergecore.arrays import dtype_of
+from mergecore.numbers.arrays import dtype_of
 from mergecore.formats.megatron_legacy import MegatronLegacyCheckpoint
 from weights import load_folder
 
@@ -74,16 +74,16 @@ def one_line_error(excinfo) -> str:
 
 def test_transform_and_check_docstrings():
     import mergecore.formats.megatron_checks
-    import mergecore.transforms
+    import mergecore.families.transforms
 
-    assert doctest.testmod(mergecore.transforms).failed == 0
+    assert doctest.testmod(mergecore.families.transforms).failed == 0
     assert doctest.testmod(mergecore.formats.megatron_checks).attempted
     assert doctest.testmod(mergecore.formats.megatron_checks).failed == 0
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_transforms_round_trip_both_ways(tp):
-    from mergecore.transforms import ColumnParallel, FusedQKV, GatedMLP, Replicated, RowParallel, VocabParallel
+    from mergecore.families.transforms import ColumnParallel, FusedQKV, GatedMLP, Replicated, RowParallel, VocabParallel
 
     g = torch.Generator().manual_seed(tp)
     rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
@@ -108,7 +108,7 @@ def test_transforms_round_trip_both_ways(tp):
 
 
 def test_fused_qkv_layout_is_per_query_group():
-    from mergecore.transforms import FusedQKV
+    from mergecore.families.transforms import FusedQKV
 
     # 4 heads, 2 groups, head_dim 1: group g holds [q_2g, q_2g+1, k_g, v_g]; TP 2 gives one group per rank.
     parts = {"q": torch.arange(4.0), "k": torch.arange(10.0, 12), "v": torch.arange(20.0, 22)}
@@ -271,7 +271,7 @@ def test_group_cache_keys_follow_the_pipeline_stage(mcore_copy, tmp_path):
     """Touching a last-stage file invalidates only the groups that stage holds."""
     import os
 
-    from mergecore.fingerprints import group_key
+    from mergecore.engine.fingerprints import group_key
 
     ckpt = mcore_copy("qwen2", "tp2-pp2")  # layers 0, 1 on pp rank 0; layers 2, 3, norm, lm_head on pp rank 1
 

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mergecore.arrays import nonfinite_counts
+from mergecore.numbers.arrays import nonfinite_counts
 
 DIVERGED = "model.layers.1.mlp.up_proj.weight"
 
@@ -121,9 +121,9 @@ def test_promote_refuses_them_even_from_groups_cached_by_a_warn_run(prefect_serv
 def test_policy_docstrings():
     import doctest
 
-    import mergecore.nonfinite
+    import mergecore.numbers.nonfinite
 
-    result = doctest.testmod(mergecore.nonfinite)
+    result = doctest.testmod(mergecore.numbers.nonfinite)
     assert result.attempted and result.failed == 0
 
 

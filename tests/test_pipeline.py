@@ -14,7 +14,7 @@ import pytest
 from flows.promote import promote_checkpoint
 from helpers import GROUPS, merge_group_states
 from mergecore import merge_checkpoint
-from mergecore.writer import TensorWriter
+from mergecore.engine.writer import TensorWriter
 
 
 def promote(ckpt, target, **options):
@@ -179,7 +179,7 @@ def test_promote_command(prefect_server, cli, demo, demo_copy, tmp_path):
 
 KILLED_DURING = """
 import os, signal, sys
-from mergecore.writer import TensorWriter
+from mergecore.engine.writer import TensorWriter
 from flows.run import run_promotion
 
 write = TensorWriter.write_rows  # every merge writes through it, in row blocks

@@ -11,10 +11,10 @@ import threading
 import pytest
 
 from mergecore import CheckpointError, merge_checkpoint, open_target, verify_manifest, verify_round_trip
-from mergecore.output import STAGING_MARKER
+from mergecore.targets.output import STAGING_MARKER
 from mergecore.formats import open_checkpoint
-from mergecore.output import MANIFEST_FILE
-from mergecore.publish import publish, retired_folders
+from mergecore.targets.output import MANIFEST_FILE
+from mergecore.targets.publish import publish, retired_folders
 
 
 def listing(folder) -> list[str]:
@@ -172,11 +172,11 @@ def test_a_crash_after_the_swap_is_cleaned_by_the_next_run(demo, tmp_path):
 
 def test_without_renameat2_a_crash_between_the_renames_is_repaired(demo, tmp_path, monkeypatch):
     """The fallback for systems without an atomic exchange: target -> retired, staging -> target."""
-    import mergecore.publish
+    import mergecore.targets.publish
 
     ckpt, target = demo("fsdp2-w2"), tmp_path / "model"
     old_manifest = merge_checkpoint(str(ckpt.role_dir), target, dtype="bf16")
-    monkeypatch.setattr(mergecore.publish, "_renameat2", lambda *args: False)  # as on a system without it
+    monkeypatch.setattr(mergecore.targets.publish, "_renameat2", lambda *args: False)  # as on a system without it
     merge_checkpoint(str(ckpt.role_dir), target, dtype="fp32", overwrite=True)
     assert json.loads((target / MANIFEST_FILE).read_text())["dtype"] == "float32" and listing(tmp_path) == ["model"]
 

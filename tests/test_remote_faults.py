@@ -158,8 +158,8 @@ def test_retry_policy_docstrings():
     import doctest
 
     import mergecore.hub
-    import mergecore.retries
+    import mergecore.storage.retries
 
-    for module in (mergecore.retries, mergecore.hub):
+    for module in (mergecore.storage.retries, mergecore.hub):
         result = doctest.testmod(module)
         assert result.attempted and result.failed == 0, module.__name__

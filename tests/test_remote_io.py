@@ -52,7 +52,7 @@ def test_one_group_fetches_its_own_byte_ranges_only(s3_env, s3_reads, demo, tmp_
     import torch.distributed.tensor  # noqa: F401  (DTensor's unpickling needs it)
 
     from mergecore import merge_group, prepare
-    from mergecore.writer import prepare_files
+    from mergecore.engine.writer import prepare_files
 
     monkeypatch.setenv("CKPTFLOW_RANGE_GAP", "0")  # tiny tensors: by default neighbours come in the same request
     ckpt = demo("fsdp2-w2")

@@ -87,7 +87,7 @@ def test_verify_reads_each_weight_file_by_ranges_holding_one_at_a_time(sharded_m
 
 def test_verify_remote_rows_equal_those_of_the_local_folder(sharded_model, demo, tmp_path):
     from mergecore import merge_checkpoint, open_checkpoint, verify_manifest, verify_round_trip
-    from mergecore.remote_verify import verify_remote
+    from mergecore.proofs.remote_verify import verify_remote
 
     url, weights, shard = sharded_model
     ckpt = demo("fsdp2-w2")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mergecore import CheckpointError
-from mergecore.arrays import to_numpy
+from mergecore.numbers.arrays import to_numpy
 from mergecore.formats.fsdp import load_rank_file
 from mergecore.formats.megatron_legacy import load_model_file
 from mergecore.formats.torchfile import DTensorRecord

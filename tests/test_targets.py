@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mergecore import verify_manifest
-from mergecore.output import MANIFEST_FILE
+from mergecore.targets.output import MANIFEST_FILE
 
 ROUNDS = 10
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import httpx
 
 from mergecore import merge_checkpoint
-from mergecore.writer import TensorWriter
+from mergecore.engine.writer import TensorWriter
 
 
 def execute(flow, flow_run_id):

@@ -89,8 +89,8 @@ class CheckpointSource(ABC):
         Formats whose pieces are not plain boxes of the global tensor (Megatron's fused QKV, say)
         override this with their inverse transforms.
         """
-        from ..arrays import bitwise_equal, cast, dtype_of, to_numpy
-        from ..budget import chunk_bytes, row_spans
+        from ..numbers.arrays import bitwise_equal, cast, dtype_of, to_numpy
+        from ..numbers.budget import chunk_bytes, row_spans
         from ..errors import VerificationError
 
         merged = to_numpy(merged)
@@ -126,7 +126,7 @@ class CheckpointSource(ABC):
         """
         import numpy as np
 
-        from ..arrays import cast, cast_into, numpy_dtype, to_numpy
+        from ..numbers.arrays import cast, cast_into, numpy_dtype, to_numpy
 
         info = self.tensors()[name]
         target = dtype or info.dtype
@@ -160,8 +160,8 @@ class CheckpointSource(ABC):
         >>> [start for start, _ in source.row_blocks("lm_head.weight", "bfloat16", 64 << 20)]  # doctest: +SKIP
         [0, 8192, 16384]
         """
-        from ..arrays import element_size
-        from ..budget import row_spans
+        from ..numbers.arrays import element_size
+        from ..numbers.budget import row_spans
 
         info = self.tensors()[name]
         spans = list(row_spans(info.shape, element_size(dtype or info.dtype), budget)) if self.streams(name) else []
@@ -175,7 +175,7 @@ class CheckpointSource(ABC):
 def read_hf_config(source: CheckpointSource) -> dict:
     """config.json from the checkpoint's `huggingface/` folder (or the folder given instead)."""
     from ..errors import CheckpointError
-    from ..tensorio import read_json
+    from ..storage.tensorio import read_json
 
     config_file = source.hf_dir.join("config.json") if source.hf_dir else None
     if config_file is None or not config_file.exists():

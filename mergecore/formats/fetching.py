@@ -91,7 +91,7 @@ class FetchesByGroup:
 
     @cached_property
     def _group_of(self) -> dict[str, str]:
-        from ..layout import group_of
+        from ..families.layout import group_of
 
         return {name: group_of(name)[1] for name in self._fetchable_names()}
 

@@ -1,5 +1,8 @@
 """verl FSDP checkpoints: one `model_world_size_W_rank_R.pt` per rank.
 
+Long (~480 lines) because it holds every FSDP wrapping verl uses (FSDP2, HSDP, FSDP1 with and without a mesh,
+single process) behind one reader; each has a section of its own.
+
 Values per rank, by how training was wrapped (see docs/facts.md):
 FSDP2 / FSDP1-with-mesh -> DTensor (Shard(d) on a 1-D mesh, or (Replicate(), Shard(0)) for HSDP);
 FSDP1 without a mesh -> ShardedTensor; a single GPU -> plain tensors.
@@ -15,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..arrays import bitwise_equal
+from ..numbers.arrays import bitwise_equal
 from ..errors import CheckpointError
 from ..storage import Location, RangeFile, fetch_ranges
 from .base import CheckpointSource, Piece, TensorInfo
@@ -66,7 +69,7 @@ def _placement_text(placements) -> str:
 
 def _global_view(value) -> tuple[tuple[int, ...], str]:
     """(global shape, dtype name) of a rank file entry."""
-    from ..arrays import dtype_of
+    from ..numbers.arrays import dtype_of
 
     if isinstance(value, (DTensorRecord, ShardedTensorRecord)):
         return tuple(value.shape), str(value.dtype)
@@ -108,7 +111,7 @@ def _raised(value):
 
 def _fsdp_config(where: Location) -> dict:
     """verl's `fsdp_config.json`: `{"FSDP_version": 1|2, "world_size": W}`."""
-    from ..tensorio import read_json
+    from ..storage.tensorio import read_json
 
     fix = 'fix it (verl writes {"FSDP_version": 2, "world_size": W}) or delete it to infer W from the rank files'
     config = read_json(where, fix=fix)
@@ -270,7 +273,7 @@ class FsdpCheckpoint(FetchesByGroup, CheckpointSource):
                 for name, saved in self._saved[0].items()}
 
     def tensors(self) -> dict[str, TensorInfo]:
-        """The saved names (transformers' in-memory layout; PEFT names for LoRA): `mergecore.merge.merge_view`
+        """The saved names (transformers' in-memory layout; PEFT names for LoRA): `mergecore.engine.merge.merge_view`
         gives the names a merge writes."""
         return self._saved_infos
 

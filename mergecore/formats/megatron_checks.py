@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from ..errors import CheckpointError
-from ..layout import MOE_SHAPES, check_expert_counts, check_shapes, layer_index, shape_rows
+from ..families.layout import MOE_SHAPES, check_expert_counts, check_shapes, layer_index, shape_rows
 from .base import TensorInfo
 
 __all__ = ["check_layers", "check_moe"]

@@ -1,5 +1,8 @@
 """Megatron dist_ckpt checkpoints (torch_dist backend), read without megatron-core and without a process group.
 
+Long (~660 lines): dist_ckpt's metadata, its stacked and per-layer keys, and the chunk views that stream a
+layer's rows are one reader.
+
 Layouts found from the role folder (`.../global_step_N/actor`):
 
 - verl 0.9.1: `model/dist_ckpt/` + `model/huggingface/` (and `optimizer/`, `extra/`, `ckpt_contents.json`,
@@ -9,8 +12,8 @@ Layouts found from the role folder (`.../global_step_N/actor`):
 A dist_ckpt folder holds `.metadata` (a pickled torch DCP `Metadata`: global shapes, saved chunks and
 where their bytes are), `__R_K.distcp` data files, `common.pt` and `metadata.json`
 (`"sharded_backend": "torch_dist"`). Global tensors do not depend on the training TP/PP/VPP sizes:
-each is the TP=1 tensor, so the mapping tables of `mergecore.megatron_maps` and the transforms of
-`mergecore.transforms` apply with `tp=1` (fc1 is `[gate; up]`, QKV rows are per query group, vocab
+each is the TP=1 tensor, so the mapping tables of `mergecore.families.megatron_maps` and the transforms of
+`mergecore.families.transforms` apply with `tp=1` (fc1 is `[gate; up]`, QKV rows are per query group, vocab
 rows padded).
 
 Decoder layers of a homogeneous model are stacked on a leading layer axis
@@ -23,7 +26,7 @@ the same tables as legacy checkpoints.
 Only the byte ranges of the rows being merged are read: every stored chunk is a numpy view of its
 mmapped `.distcp` file, and `pieces` places each chunk's part rows (`Transform.row_map`) in the Hugging
 Face tensor, so `read_rows` streams any tensor in row blocks within the chunk budget
-(`mergecore.budget`); optimizer state or extra state sharing the files is never touched. `.metadata` and `common.pt`
+(`mergecore.numbers.budget`); optimizer state or extra state sharing the files is never touched. `.metadata` and `common.pt`
 are untrusted: they are unpickled with allow-lists, never with plain pickle (torch's
 `FileSystemReader.read_metadata` uses plain `pickle.load`, so it is bypassed).
 """
@@ -43,11 +46,11 @@ from functools import cached_property
 import numpy as np
 
 from ..errors import CheckpointError
-from ..megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
+from ..families.megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
 from ..storage import Location, RangeFile, fetch_ranges
-from ..tensorio import read_json
-from ..arrays import element_size, numpy_dtype
-from ..transforms import Transform, VocabParallel, make_transform
+from ..storage.tensorio import read_json
+from ..numbers.arrays import element_size, numpy_dtype
+from ..families.transforms import Transform, VocabParallel, make_transform
 from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from . import torchfile
 from .detect import DIST_METADATA_FILE, dist_ckpt_dir

@@ -1,13 +1,16 @@
 """verl's legacy Megatron checkpoints: `<role>/model/mp_rank_TT[_PPP]/model.pt`, read without megatron-core.
 
+Long (~550 lines): the legacy layout's discovery, its per-rank pieces and their TP/PP/VPP placement are one
+reader; the Megatron name tables and transforms are data in `families/`.
+
 Each `model.pt` holds one TP x PP rank's model state, as a list of per-virtual-pipeline-chunk state
 dicts (verl). Also read: a dict with `"model"` (a state dict or a list) or `"model0"`, `"model1"`...
 (Megatron-LM's own files). Layer indices restart at 0 in every chunk; chunk `v` of pipeline rank `p`
 comes at position `v * PP + p` in the model, so layer offsets are the layer counts of the chunks
 before it in that order (uneven stages included). Chunks already numbered globally are accepted too.
 
-Names are mapped by the tables of `mergecore.megatron_maps`; values are merged by the transforms of
-`mergecore.transforms`, one Hugging Face tensor at a time (a layer's q_proj reads that layer's QKV
+Names are mapped by the tables of `mergecore.families.megatron_maps`; values are merged by the transforms of
+`mergecore.families.transforms`, one Hugging Face tensor at a time (a layer's q_proj reads that layer's QKV
 piece of each TP rank, nothing else). `check_round_trip` applies the inverse transform to the
 merged output and compares it with every saved piece, bit for bit.
 """
@@ -23,10 +26,10 @@ from functools import cached_property
 import numpy as np
 
 from ..errors import CheckpointError
-from ..megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
+from ..families.megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
 from ..storage import Location, RangeFile, fetch_ranges
-from ..arrays import bitwise_equal, dtype_of
-from ..transforms import Replicated, ReplicatedGatedMLP, Transform, VocabParallel, make_transform
+from ..numbers.arrays import bitwise_equal, dtype_of
+from ..families.transforms import Replicated, ReplicatedGatedMLP, Transform, VocabParallel, make_transform
 from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from .detect import MP_RANK_DIR
 from .fetching import FetchesByGroup

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..arrays import numpy_dtype
+from ..numbers.arrays import numpy_dtype
 from ..errors import CheckpointError
 from .untrusted import TORCH_FILE, AllowListUnpickler, DTensorRecord, MeshRecord, Record, ShardedTensorRecord
 

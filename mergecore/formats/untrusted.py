@@ -1,5 +1,8 @@
 """Untrusted pickles: one allow-listed Unpickler, and every reader's allow-list as data.
 
+Long (~580 lines) because every reader's allow-list is here as data, one table per kind of file: the
+security boundary is kept in one place.
+
 Checkpoint pickles run unattended, so nothing in them is trusted. `AllowListUnpickler.find_class`
 resolves a global only through an allow-list `{(module, name): value}`; anything else is refused
 (`Refused`) and nothing of it is imported or called. A key's module may end in `.*` (any module

@@ -11,7 +11,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..errors import CheckpointError
-from ..output import MANIFEST_FILE
+from .output import MANIFEST_FILE
 from ..storage import Location
 
 

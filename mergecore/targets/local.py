@@ -20,9 +20,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import CheckpointError, VerificationError
-from ..output import MANIFEST_FILE, STAGING_MARKER
-from ..publish import publish, repair_target
-from ..writer import PARTIAL_SUFFIX, METADATA_SLACK, prepare_files
+from .output import MANIFEST_FILE, STAGING_MARKER
+from .publish import publish, repair_target
+from ..engine.writer import PARTIAL_SUFFIX, METADATA_SLACK, prepare_files
 from .base import Target
 from .lock import target_lock
 
@@ -73,15 +73,15 @@ class LocalTarget(Target):
 
     def manifest(self) -> dict | None:
         """The published model's manifest, or None when the folder holds none."""
-        from ..verify import load_manifest
+        from ..proofs.verify import load_manifest
 
         return load_manifest(self.path) if (self.path / MANIFEST_FILE).is_file() else None
 
     def published(self, prepared, overwrite: bool) -> dict | None:
         """The manifest when the target already holds exactly this merge (same inputs, plan and code). With
         `overwrite` its files are also re-hashed: a damaged model is rebuilt, not kept."""
-        from ..fingerprints import weights_id
-        from ..verify import verify_manifest
+        from ..engine.fingerprints import weights_id
+        from ..proofs.verify import verify_manifest
 
         manifest = self.manifest()
         if manifest is None or manifest.get("weights_id") != weights_id(prepared.source, prepared.plan):
@@ -146,14 +146,14 @@ class LocalTarget(Target):
 
     def check_published(self, manifest: dict) -> dict:
         """The cheap check of the published model: sizes and modification times (`verify` re-hashes)."""
-        from ..verify import verify_manifest
+        from ..proofs.verify import verify_manifest
 
         return verify_manifest(self.path, full=False)
 
     def write_unit(self, prepared, group: str, staged: dict, workers: int = 1, on_nonfinite: str = "warn",
                    on_tensor=None, chunk_bytes=None) -> dict:
         """Merge one layer group into its place in the staged files; returns its receipt (`merge.merge_group`)."""
-        from ..merge import merge_group
+        from ..engine.merge import merge_group
 
         staging = Path(staged["staging"])
         if not staging.is_dir():
@@ -166,8 +166,8 @@ class LocalTarget(Target):
               checks=None) -> dict:
         """Every group into the staged files, in order, then `finalize`. The weight files are hashed as far as
         they are written while the next groups merge."""
-        from ..merge import Stopwatch
-        from ..output import BackgroundHashes
+        from ..engine.merge import Stopwatch
+        from .output import BackgroundHashes
 
         clock, plan = Stopwatch(), prepared.plan
         with BackgroundHashes(Path(staged["staging"])) as hashes:
@@ -188,11 +188,11 @@ class LocalTarget(Target):
         manifest (`merge.finish_folder`, with `checks` of the finished folder), and publish atomically.
         Nothing reaches the target unless every check passed. `hashes`: a `BackgroundHashes` already through
         the groups merged so far."""
-        from ..merge import Stopwatch, describe_folder, finish_folder
-        from ..output import BackgroundHashes, clear_strays
-        from ..publish import start_writeback
-        from ..verify import verify_round_trip
-        from ..writer import room_checked
+        from ..engine.merge import Stopwatch, describe_folder, finish_folder
+        from .output import BackgroundHashes, clear_strays
+        from .publish import start_writeback
+        from ..proofs.verify import verify_round_trip
+        from ..engine.writer import room_checked
 
         staging, plan, clock = Path(staged["staging"]), prepared.plan, Stopwatch()
         with room_checked(staging):
@@ -213,7 +213,7 @@ class LocalTarget(Target):
         """The target holds this merge's weights (`stage` said `published`): reuse them, and republish only when
         config, tokenizer files or card changed — the weights hard-linked into a fresh staging folder, so the
         swap stays atomic and no weight byte is written."""
-        from ..fingerprints import metadata_id
+        from ..engine.fingerprints import metadata_id
 
         manifest = self.published(prepared, overwrite=False)
         if manifest is None:

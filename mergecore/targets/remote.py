@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import CheckpointError, VerificationError
-from ..output import MANIFEST_FILE
+from .output import MANIFEST_FILE
 from ..storage import Location, _identity, default_cache_dir
 from .base import Target
 from .lock import target_lock
@@ -78,14 +78,14 @@ class RemoteTarget(Target):
 
     def manifest(self) -> dict | None:
         """The target's manifest, or None when it holds no published model."""
-        from ..verify import load_manifest
+        from ..proofs.verify import load_manifest
 
         return load_manifest(self.location) if self.location.join(MANIFEST_FILE).exists() else None
 
     def published(self, prepared, overwrite: bool = False) -> dict | None:
         """The manifest when the target already holds exactly this merge. (With `overwrite` the stored sizes must
         match too; `ckptflow verify` re-hashes everything.)"""
-        from ..fingerprints import weights_id
+        from ..engine.fingerprints import weights_id
 
         manifest = self.manifest()
         if manifest is None or manifest.get("weights_id") != weights_id(prepared.source, prepared.plan):
@@ -98,7 +98,7 @@ class RemoteTarget(Target):
         return manifest
 
     def _already_published(self, prepared) -> dict:
-        from ..fingerprints import weights_id
+        from ..engine.fingerprints import weights_id
 
         return {"staging": self.url, "created": [], "kept": {}, "published": True,
                 "weights_id": weights_id(prepared.source, prepared.plan)}
@@ -106,7 +106,7 @@ class RemoteTarget(Target):
     def _stage(self, prepared, room: int) -> dict:
         """Its old manifest is deleted (readers see no model from here on) and `created` lists the weight files to
         write: all but those an interrupted run of this merge finished (their receipts are in `kept`)."""
-        from ..fingerprints import weights_id
+        from ..engine.fingerprints import weights_id
 
         merge_id = weights_id(prepared.source, prepared.plan)
         fs, root = self._fs_root
@@ -140,7 +140,7 @@ class RemoteTarget(Target):
     def write_unit(self, prepared, file: str, staged: dict, workers: int = 1, on_nonfinite: str = "warn",
                    on_tensor=None, chunk_bytes=None, verify: bool = True) -> dict:
         """Write, check and record one weight file of `prepared`'s plan (see `remote_writer`)."""
-        from ..remote_writer import write_remote_file
+        from ..engine.remote_writer import write_remote_file
 
         receipt = write_remote_file(prepared.source, prepared.plan, file, self.location, on_nonfinite=on_nonfinite,
                                     chunk_bytes=chunk_bytes, verify=verify, on_tensor=on_tensor)
@@ -171,7 +171,7 @@ class RemoteTarget(Target):
         copied files, a LoRA adapter and the card go up; objects of an earlier model and the staging records go;
         the manifest is written last. `checks(folder)` (a reference's tensors and logits) runs on a local copy
         before anything is published."""
-        from ..merge import describe_folder, finish_folder
+        from ..engine.merge import describe_folder, finish_folder
 
         published = self.published(prepared)
         if published:
@@ -248,7 +248,7 @@ class RemoteTarget(Target):
 def check_sizes(target: str | Location, manifest: dict) -> dict:
     """The cheap check of a published remote model (no byte read): every file the manifest lists is there with
     its size; `ckptflow verify` re-hashes everything. Returns the result row."""
-    from ..verify import file_changed, file_missing
+    from ..proofs.verify import file_changed, file_missing
 
     location = Location.of(target)
     fs, root = location._fs_path

@@ -3,7 +3,7 @@
 Each table row reads `megatron pattern: (hf pattern or tuple of hf patterns, transform kind)`;
 `{}` is a number (the layer, then the expert) and appears in the same order on both sides.
 A tuple of Hugging Face patterns means the Megatron tensor fuses several HF tensors, in the order
-of the transform's parts (`qkv`: q, k, v; `gated`: gate, up). Kinds are in `mergecore.transforms`.
+of the transform's parts (`qkv`: q, k, v; `gated`: gate, up). Kinds are in `mergecore.families.transforms`.
 
 Row order matters only when two Megatron names give the same HF name (fused or separate layer
 norms, say): the first row is the canonical one (what the test fixtures write); the others are
@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .transforms import KINDS
 
 Row = tuple[str | tuple[str, ...], str]
@@ -178,7 +178,7 @@ def resolve(key: str, table: Table, where: str = "") -> Mapped:
 def load_custom_mapping(path: str) -> Table:
     """Extra rows from a JSON or YAML file: `{megatron pattern: [hf pattern(s), kind]}`
     (or `{megatron pattern: {"hf": ..., "kind": ...}}`)."""
-    from .storage import Location
+    from ..storage import Location
 
     location = Location.of(path)
     if not location.exists():

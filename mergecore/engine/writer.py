@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .arrays import dtype_of, to_numpy
-from .errors import CheckpointError
+from ..numbers.arrays import dtype_of, to_numpy
+from ..errors import CheckpointError
 from .plan import MergePlan, PlannedTensor
 
 PARTIAL_SUFFIX = ".ckptflow-partial"  # staging folder of target T: .T.ckptflow-partial beside it
@@ -87,7 +87,7 @@ def prepare_files(plan: MergePlan, folder: Path, metadata_bytes: int = METADATA_
     set aside a finished model a crash left under the staging name). Returns the files (re)created, whose groups must be written anew.
     Refuses first, writing nothing, when the files to create and `metadata_bytes` exceed the free space.
     """
-    from .output import clear_strays
+    from ..targets.output import clear_strays
 
     if folder.exists():
         clear_strays(folder, set(plan.files))

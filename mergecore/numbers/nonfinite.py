@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from .arrays import FLOATING, nonfinite_counts
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 NONFINITE_POLICIES = ("fail", "warn")
 

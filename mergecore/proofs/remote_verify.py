@@ -20,12 +20,12 @@ from __future__ import annotations
 import hashlib
 import posixpath
 
-from .errors import CheckpointError
-from .formats import CheckpointSource
-from .output import MANIFEST_FILE, sha256_file
-from .storage import Location, RangeFile
-from .targets import open_target
-from .tensorio import INDEX_FILES, WEIGHT_SUFFIXES, SafetensorsFile, _weight_map
+from ..errors import CheckpointError
+from ..formats import CheckpointSource
+from ..targets.output import MANIFEST_FILE, sha256_file
+from ..storage import Location, RangeFile
+from ..targets import open_target
+from ..storage.tensorio import INDEX_FILES, WEIGHT_SUFFIXES, SafetensorsFile, _weight_map
 from .verify import file_changed, file_missing, round_trip_pieces, tensors_differ
 
 

@@ -1,5 +1,8 @@
 """Where checkpoints live: any fsspec URL, read through one small `Location` type.
 
+Long (~560 lines) because local and remote reading share one `Location` type: ranged reads, verified cached
+copies, retries and the checks of which files may leave a checkpoint folder sit together.
+
 Local files are used in place (so they can be mmapped). Remote rank files (FSDP's, Megatron's `model.pt`
 and `.distcp`) are read by byte range (`RangeFile`): only the ranges a merge needs are downloaded, into a
 sparse local file that is mmapped like a local one. Other remote files (`.metadata`, `common.pt`,
@@ -33,7 +36,7 @@ from typing import Callable, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .retries import Retries
 
 T = TypeVar("T")

@@ -2,14 +2,14 @@
 
 Used to group tensors by layer, to check Megatron mappings, and, only where transformers has no class for a
 config.json (custom code, an unknown model_type), to prove a checkpoint matches it: every other config is checked
-by transformers' own model (`mergecore.config_check`).
+by transformers' own model (`mergecore.families.config_check`).
 """
 
 from __future__ import annotations
 
 import re
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 # Shapes are tuples of derived config fields (see `dimensions`). `{}` is the layer index.
 DECODER_SHAPES: dict[str, tuple[str, ...]] = {

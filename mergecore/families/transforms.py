@@ -16,7 +16,7 @@ The reader works one part and one rank at a time to keep memory at one output te
 `row_map(rows, part)` says, at TP=1 (dist_ckpt's global tensors), which saved rows land where in `part`,
 so a reader can place a part straight from the saved rows without building it.
 
-Values are numpy arrays (bfloat16 as its uint16 bits, see `mergecore.arrays`): a merge never imports
+Values are numpy arrays (bfloat16 as its uint16 bits, see `mergecore.numbers.arrays`): a merge never imports
 torch. Torch tensors work as well (the test fixtures cut real models with `split`); torch is then
 imported only to concatenate them.
 """

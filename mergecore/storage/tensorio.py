@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .arrays import from_safetensors_dtype, numpy_dtype, to_numpy
-from .errors import CheckpointError
+from ..numbers.arrays import from_safetensors_dtype, numpy_dtype, to_numpy
+from ..errors import CheckpointError
 
 __all__ = ["HfWeights", "SafetensorsFile", "read_json"]
 

@@ -5,7 +5,7 @@ The model class config.json names is built on the meta device (the Hub-layout vi
 steps on meta tensors: the state dict (persistent buffers in, non-persistent ones out), less
 `_keys_to_ignore_on_save` and the tied weights it drops, in the Hub's layout (`revert_weight_conversion`). The
 merge must write exactly those names and shapes. Only where transformers has no class for the config (custom code,
-an unknown model_type) does the hand-written shape table of `mergecore.layout` judge instead; the returned record
+an unknown model_type) does the hand-written shape table of `mergecore.families.layout` judge instead; the returned record
 says which (it is kept in the manifest).
 
 Building the meta model costs seconds of imports (torch, transformers), so its answer is kept on disk per
@@ -23,7 +23,7 @@ import json
 import os
 from pathlib import Path
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .layout import check_against_config, layer_index, text_config
 
 _CACHE_FORMAT = 1  # bump when what is cached changes meaning
@@ -101,7 +101,7 @@ def _ask_transformers(config: dict) -> dict:
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    from .hub_layout import _meta_model
+    from ..views.hub_layout import _meta_model
 
     model = _meta_model(config)
     if model is None:
@@ -126,7 +126,7 @@ def _cache_file(config: dict) -> Path | None:
         return None
     installed = os.stat(spec.origin)  # an upgrade or reinstall rewrites it: a new key
     key = json.dumps([_CACHE_FORMAT, spec.origin, installed.st_mtime_ns, installed.st_size, config], sort_keys=True)
-    from .storage import default_cache_dir
+    from ..storage import default_cache_dir
 
     root = Path(os.environ.get("CKPTFLOW_CONFIG_CACHE") or default_cache_dir() / "saved-tensors")
     return root / f"{hashlib.sha256(key.encode()).hexdigest()}.json"

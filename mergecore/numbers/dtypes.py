@@ -1,6 +1,6 @@
 """Output dtypes as users spell them (`bf16`), resolved to the names config.json uses (`bfloat16`)."""
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 _BY_NAME = {
     "bf16": "bfloat16", "bfloat16": "bfloat16",

@@ -12,12 +12,12 @@ import threading
 from importlib import metadata
 from pathlib import Path
 
-from .arrays import FLOATING
+from ..numbers.arrays import FLOATING
 from .card import CARD_FILE, model_card
-from .errors import VerificationError
-from .formats import CheckpointSource
-from .plan import INDEX_FILE, MergePlan
-from .storage import checked_publishable, link_root, publishable_files
+from ..errors import VerificationError
+from ..formats import CheckpointSource
+from ..engine.plan import INDEX_FILE, MergePlan
+from ..storage import checked_publishable, link_root, publishable_files
 
 MANIFEST_FILE = "ckptflow_manifest.json"
 STAGING_MARKER = ".ckptflow-staging"  # in a staging folder ckptflow made (targets/local.py); never published

@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .errors import CheckpointError
-from .formats.base import CheckpointSource, Piece, TensorInfo, read_hf_config
-from .layout import _PATTERNS
+from ..errors import CheckpointError
+from ..formats.base import CheckpointSource, Piece, TensorInfo, read_hf_config
+from ..families.layout import _PATTERNS
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def hub_slices(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, Hu
 def _meta_model(config: dict):
     """The config's model class built on the meta device (no memory), or None when transformers has no
     such class (custom code: we never load model code, so its names stay as saved). Built once per process
-    and config: the Hub-layout view and the config check (`mergecore.config_check`) share it.
+    and config: the Hub-layout view and the config check (`mergecore.families.config_check`) share it.
     """
     import json
 
@@ -210,7 +210,7 @@ def hub_view(source):
     transformers then), or when no config.json says which model this is.
 
     Applied last, on the names a merge would otherwise write (a LoRA checkpoint's fused names, say), by
-    `mergecore.merge.merge_view`.
+    `mergecore.engine.merge.merge_view`.
     """
     if isinstance(source, HubLayoutSource) or source.format_name != "verl-fsdp":
         return source

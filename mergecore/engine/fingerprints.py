@@ -12,7 +12,7 @@ from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
 
-from .formats import CheckpointSource
+from ..formats import CheckpointSource
 from .plan import MergePlan
 
 
@@ -25,15 +25,19 @@ def digest(value) -> str:
 # mergecore (checks after the fact, the Hub, reports, error types) is listed in NOT_OUTPUT_CODE, so that
 # editing it keeps finished groups; a test requires every module to be in exactly one of the two lists.
 OUTPUT_CODE = (
-    "formats/", "arrays.py", "budget.py", "dtypes.py", "layout.py", "megatron_maps.py", "transforms.py", "plan.py",
-    "writer.py", "remote_writer.py", "merge.py", "output.py", "storage.py", "hub_layout.py", "lora.py",
+    "formats/", "numbers/arrays.py", "numbers/budget.py", "numbers/dtypes.py", "families/layout.py",
+    "families/megatron_maps.py", "families/transforms.py", "engine/plan.py", "engine/writer.py",
+    "engine/remote_writer.py", "engine/merge.py", "targets/output.py", "storage/__init__.py", "views/hub_layout.py",
+    "views/lora.py",
 )
 NOT_OUTPUT_CODE = (
-    "__init__.py", "api.py", "card.py", "completeness.py", "config_check.py", "errors.py", "fingerprints.py", "hub.py", "inspect.py",
-    "nonfinite.py", "picture.py", "publish.py", "remote_verify.py", "targets/__init__.py", "targets/base.py", "targets/local.py",
-    "targets/lock.py", "targets/remote.py",
-    "retries.py", "tensorio.py", "verify.py",
+    "__init__.py", "api.py", "errors.py", "hub.py", "inspect.py", "picture.py", "engine/__init__.py",
+    "engine/fingerprints.py", "families/__init__.py", "families/config_check.py", "numbers/__init__.py",
+    "numbers/nonfinite.py", "proofs/__init__.py", "proofs/remote_verify.py", "proofs/verify.py", "storage/retries.py",
+    "storage/tensorio.py", "targets/__init__.py", "targets/base.py", "targets/card.py", "targets/local.py",
+    "targets/lock.py", "targets/publish.py", "targets/remote.py", "views/__init__.py",
 )
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # mergecore/
 
 
 def output_code_files(root: Path) -> list[Path]:
@@ -49,10 +53,10 @@ def output_code_files(root: Path) -> list[Path]:
 def code_version(root: Path | None = None) -> str:
     """Hash of the merge code that produces output bytes (OUTPUT_CODE), for cache keys.
 
-    >>> code_version() == code_version(Path(__file__).parent)
+    >>> code_version() == code_version(PACKAGE_ROOT)
     True
     """
-    return _code_version(Path(root) if root is not None else Path(__file__).parent)
+    return _code_version(Path(root) if root is not None else PACKAGE_ROOT)
 
 
 @lru_cache(maxsize=4)

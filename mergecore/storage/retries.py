@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 T = TypeVar("T")
 

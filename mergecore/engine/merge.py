@@ -12,18 +12,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .arrays import bitwise_equal
-from .budget import parse_size
-from .dtypes import resolve_dtype
-from .errors import CheckpointError
-from .formats import CheckpointSource, open_checkpoint
-from .formats.base import read_hf_config
-from .config_check import check_config
-from .layout import EMBEDDING, OUTPUT, tied_embeddings
-from .lora import lora_view, write_adapter_beside
-from .nonfinite import check_nonfinite_policy, checked_blocks
+from ..numbers.arrays import bitwise_equal
+from ..numbers.budget import parse_size
+from ..numbers.dtypes import resolve_dtype
+from ..errors import CheckpointError
+from ..formats import CheckpointSource, open_checkpoint
+from ..formats.base import read_hf_config
+from ..families.config_check import check_config
+from ..families.layout import EMBEDDING, OUTPUT, tied_embeddings
+from ..views.lora import lora_view, write_adapter_beside
+from ..numbers.nonfinite import check_nonfinite_policy, checked_blocks
 from .plan import MergePlan, make_plan
-from .storage import publishable_files
+from ..storage import publishable_files
 from .writer import TensorWriter
 
 
@@ -92,7 +92,7 @@ def merge_view(source: CheckpointSource, lora: dict | None = None) -> Checkpoint
 
     >>> merge_view(open_checkpoint("ckpts/run1")).tensors()  # doctest: +SKIP
     """
-    from .hub_layout import hub_view
+    from ..views.hub_layout import hub_view
 
     return hub_view(lora_view(source, lora))
 
@@ -153,7 +153,7 @@ def merge_group(
     (default `CKPTFLOW_CHUNK_BYTES`, 64 MiB; 0: whole tensors), so at most `workers` blocks at a time.
     Returns a small receipt.
     """
-    from .budget import chunk_bytes as budget_of
+    from ..numbers.budget import chunk_bytes as budget_of
 
     started = time.perf_counter()
     check_nonfinite_policy(on_nonfinite)
@@ -182,7 +182,7 @@ def merge_group(
 def describe_folder(prepared: Prepared, folder: Path) -> list[str]:
     """Write what a model holds beside its weights and card into `folder` — index, config, the files copied from
     huggingface/, a LoRA merge's lora_adapter/ (checked as written) — and return their names."""
-    from .output import write_descriptive_files
+    from ..targets.output import write_descriptive_files
 
     descriptive = write_descriptive_files(prepared.source, prepared.config, prepared.plan, folder)
     return descriptive + write_adapter_beside(prepared.source, folder)
@@ -204,7 +204,7 @@ def finish_folder(
     `known`: sha256 digests already computed; `stored`: entries of weight files that live elsewhere (object storage).
     """
     from .fingerprints import metadata_id, weights_id
-    from .output import write_manifest
+    from ..targets.output import write_manifest
 
     results = [*results, *(checks(folder) if checks else [])]
     extra = {**(extra or {}), "source": {**prepared.source.describe(), "options": prepared.options},

@@ -15,10 +15,10 @@ from __future__ import annotations
 import hashlib
 import time
 
-from .errors import VerificationError
-from .formats import CheckpointSource
+from ..errors import VerificationError
+from ..formats import CheckpointSource
 from .plan import MergePlan
-from .storage import Location, RangeFile, _identity
+from ..storage import Location, RangeFile, _identity
 
 
 def write_remote_file(source: CheckpointSource, plan: MergePlan, file: str, target: str | Location, *,
@@ -31,8 +31,8 @@ def write_remote_file(source: CheckpointSource, plan: MergePlan, file: str, targ
     storage identity (size + ETag), the pieces compared, and non-finite counts when `on_nonfinite="warn"`
     wrote some. With `on_nonfinite="fail"` the first NaN/Inf raises CheckpointError and no object appears.
     """
-    from .budget import chunk_bytes as budget_of
-    from .nonfinite import check_nonfinite_policy
+    from ..numbers.budget import chunk_bytes as budget_of
+    from ..numbers.nonfinite import check_nonfinite_policy
 
     check_nonfinite_policy(on_nonfinite)
     started, budget = time.perf_counter(), budget_of(chunk_bytes)
@@ -63,9 +63,9 @@ def check_stored_file(source: CheckpointSource, plan: MergePlan, file: str, loca
     """Read the stored object back (into a sparse local file: one output file of local space at most) and prove
     it: the bytes hash to what was sent, the header names exactly the planned tensors, and every tensor (and each
     dropped alias it stands for) equals every rank's shard. Returns the number of pieces compared."""
-    from .output import sha256_file
-    from .tensorio import SafetensorsFile
-    from .verify import round_trip_pieces
+    from ..targets.output import sha256_file
+    from ..storage.tensorio import SafetensorsFile
+    from ..proofs.verify import round_trip_pieces
 
     copy = RangeFile(location, stored)
     copy.fetch([(0, copy.size)])
@@ -83,7 +83,7 @@ def check_stored_file(source: CheckpointSource, plan: MergePlan, file: str, loca
 def _stream(source, plan, file, planned, out, sent, on_nonfinite, budget, on_tensor) -> tuple[int, dict]:
     """Write the header and then every planned tensor of `file`, in order, to `out`; returns (data bytes written,
     non-finite counts per tensor)."""
-    from .nonfinite import checked_blocks
+    from ..numbers.nonfinite import checked_blocks
     from .writer import tensor_bytes
 
     nonfinite = {}

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from .arrays import FLOATING, element_size, safetensors_dtype
+from ..numbers.arrays import FLOATING, element_size, safetensors_dtype
 
-from .formats.base import TensorInfo
-from .layout import EMBEDDING, OUTPUT, group_of
+from ..formats.base import TensorInfo
+from ..families.layout import EMBEDDING, OUTPUT, group_of
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .arrays import bitwise_equal, cast, dtype_of
-from .errors import CheckpointError, VerificationError
-from .formats import CheckpointSource
-from .card import CARD_FILE
-from .output import MANIFEST_FILE, sha256_file
-from .plan import INDEX_FILE
-from .storage import Location, checked_publishable, link_root
-from .tensorio import WEIGHT_SUFFIXES, HfWeights, read_json
+from ..numbers.arrays import bitwise_equal, cast, dtype_of
+from ..errors import CheckpointError, VerificationError
+from ..formats import CheckpointSource
+from ..targets.card import CARD_FILE
+from ..targets.output import MANIFEST_FILE, sha256_file
+from ..engine.plan import INDEX_FILE
+from ..storage import Location, checked_publishable, link_root
+from ..storage.tensorio import WEIGHT_SUFFIXES, HfWeights, read_json
 
 
 def verify_round_trip(source: CheckpointSource, folder: Path, aliases: dict[str, str], workers: int = 2) -> dict:
@@ -90,8 +90,8 @@ def verify_copied_files(folder: Path, source: CheckpointSource, manifest: dict) 
     >>> verify_copied_files(Path("out/model"), merged_source, load_manifest("out/model"))["files"]  # doctest: +SKIP
     4
     """
-    from .formats.base import read_hf_config
-    from .output import copied_names
+    from ..formats.base import read_hf_config
+    from ..targets.output import copied_names
 
     config = read_hf_config(source)  # first: a source whose huggingface/ is gone is a missing input, not a mismatch
     expected = copied_names(source)
@@ -116,11 +116,11 @@ def verify_copied_files(folder: Path, source: CheckpointSource, manifest: dict) 
 
 def _expected_config(config: dict, source: CheckpointSource, manifest: dict) -> dict:
     """config.json as the merge recorded in `manifest` writes it from the source's `config`."""
-    from .dtypes import resolve_dtype
-    from .layout import tied_embeddings
-    from .output import output_config
-    from .budget import parse_size
-    from .plan import make_plan
+    from ..numbers.dtypes import resolve_dtype
+    from ..families.layout import tied_embeddings
+    from ..targets.output import output_config
+    from ..numbers.budget import parse_size
+    from ..engine.plan import make_plan
 
     options = manifest["source"].get("options") or {}
     dtype = resolve_dtype(str(options.get("dtype") or "auto"), config)

@@ -1,5 +1,8 @@
 """LoRA checkpoints (peft wrapped before FSDP, as verl trains them): detection, hyperparameters, fusing.
 
+Long (~560 lines): detection, hyperparameters, the fused view and the adapter writer are one feature, read in
+that order.
+
 A full LoRA save holds PEFT names::
 
     base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight
@@ -25,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CheckpointError, VerificationError
-from .formats.base import CheckpointSource, Piece, TensorInfo
+from ..errors import CheckpointError, VerificationError
+from ..formats.base import CheckpointSource, Piece, TensorInfo
 
 PEFT_PREFIX = "base_model.model."
 META_FILE = "lora_train_meta.json"          # verl writes it beside the rank files
@@ -116,7 +119,7 @@ class LoraHyperparameters:
 
 def _metadata(source: CheckpointSource) -> tuple[dict, str | None]:
     """(fields, file shown) from lora_train_meta.json or an adapter_config.json beside the rank files or in huggingface/."""
-    from .tensorio import read_json
+    from ..storage.tensorio import read_json
 
     for folder in (source.location, source.hf_dir):
         if folder is None:
@@ -309,7 +312,7 @@ class LoraFusedSource(CheckpointSource):
     def read_rows(self, name: str, start: int, stop: int, dtype: str | None = None):
         """Rows [start, stop) of `name`: as saved, or fused as W + scale·B·A in fp32 and cast once (A and B are
         small: r rows or columns), so a fused tensor streams in row blocks like any other."""
-        from .arrays import cast
+        from ..numbers.arrays import cast
 
         pair = self._pairs.get(name)
         if pair is None:
@@ -323,8 +326,8 @@ class LoraFusedSource(CheckpointSource):
         """Plain tensors: every piece re-found bit for bit. Fused ones: every base, A and B piece is read (HSDP
         replicas must equal the piece they copy), and the output must equal W + (alpha/r)·B·A rebuilt from the
         rank files, block of rows by block."""
-        from .arrays import bitwise_equal, dtype_of, to_numpy
-        from .budget import chunk_bytes, row_spans
+        from ..numbers.arrays import bitwise_equal, dtype_of, to_numpy
+        from ..numbers.budget import chunk_bytes, row_spans
 
         pair = self._pairs.get(name)
         if pair is None:
@@ -343,7 +346,7 @@ class LoraFusedSource(CheckpointSource):
 
 def _replicas_agree(holder: CheckpointSource, name: str) -> int:
     """The number of saved pieces of `name`; each HSDP replica must hold its primary piece's values."""
-    from .arrays import bitwise_equal
+    from ..numbers.arrays import bitwise_equal
 
     pieces = list(holder.pieces(name))
     primary = {piece.offsets: piece for piece in pieces if piece.primary}
@@ -397,9 +400,9 @@ def write_adapter_files(inner: CheckpointSource, hyper: LoraHyperparameters, fol
 
     from safetensors.numpy import save_file
 
-    from .arrays import bitwise_equal, cast, dtype_of
-    from .publish import sync_folder
-    from .tensorio import SafetensorsFile
+    from ..numbers.arrays import bitwise_equal, cast, dtype_of
+    from ..targets.publish import sync_folder
+    from ..storage.tensorio import SafetensorsFile
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -515,8 +518,8 @@ class BaseModelSource(CheckpointSource):
     format_name = "hf-folder"
 
     def __init__(self, spec: str):
-        from .storage import Location
-        from .tensorio import HfWeights
+        from ..storage import Location
+        from ..storage.tensorio import HfWeights
 
         self.spec = spec
         self.folder = base_model_folder(spec)
@@ -525,7 +528,7 @@ class BaseModelSource(CheckpointSource):
 
     @cached_property
     def _infos(self) -> dict[str, TensorInfo]:
-        from .arrays import dtype_of
+        from ..numbers.arrays import dtype_of
 
         infos = {}
         for name in self._weights.names():
@@ -544,7 +547,7 @@ class BaseModelSource(CheckpointSource):
         pass  # a safetensors folder is one consistent file set (HfWeights checked its index)
 
     def input_files(self, names=None) -> list:
-        from .storage import Location
+        from ..storage import Location
 
         return [Location.of(str(p)) for p in sorted(self.folder.glob("*.safetensors"))]
 
@@ -555,7 +558,7 @@ class BaseModelSource(CheckpointSource):
 def _savable(array: np.ndarray) -> np.ndarray:
     """`array` as safetensors.numpy names it: our bfloat16 arrays are uint16 bits, which it would
     save as U16, so they become ml_dtypes' bfloat16 (imported only here, off the merge path)."""
-    from .arrays import dtype_of
+    from ..numbers.arrays import dtype_of
 
     if dtype_of(array) != "bfloat16":
         return array

@@ -30,8 +30,8 @@ import posixpath
 import re
 from dataclasses import dataclass, field
 
-from .formats.detect import DIST_DIR, DIST_METADATA_FILE, FSDP_RANK_FILE, MP_RANK_DIR
-from .storage import Location
+from .detect import DIST_DIR, DIST_METADATA_FILE, FSDP_RANK_FILE, MP_RANK_DIR
+from ..storage import Location
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CONTENTS_FILE = "ckpt_contents.json"

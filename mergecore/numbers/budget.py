@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 # A block lives beside one temporary of at most its size (a piece's rows cast to the output dtype).

@@ -1,0 +1,1 @@
+"""Model families as data: HF name and shape tables, Megatron name tables, the two-way tensor transforms, and the config check against transformers."""

@@ -1,0 +1,1 @@
+"""Numbers: arrays, dtypes and their casts, the memory budget, NaN/Inf checks."""

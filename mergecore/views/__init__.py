@@ -1,0 +1,1 @@
+"""Views of a checkpoint under other names: fused LoRA, and the Hub's on-disk layout."""
