@@ -331,19 +331,11 @@ class MegatronDistCheckpoint(FetchesByGroup, CheckpointSource):
 
     # ---- reading -------------------------------------------------------------------------------
 
-    def read_slice(self, s: Slice) -> np.ndarray:
-        """`key[index]` from the .distcp files: only the bytes of that box are read.
-
-        DCP stores each chunk as a torch.save archive at a byte range of a .distcp file;
-        torch's own reader loads whole chunks, which for a stacked `[L, ...]` key means every layer for
-        each layer. We map the chunk (torchfile: numpy views of the mmapped file) and copy out the box
-        (a copy the caller owns).
-        """
-        return np.array(self._slice_array(s))
-
     def _slice_array(self, s: Slice) -> np.ndarray:
         """`key[index]` as numpy: a view of the mapped chunk when one chunk holds it (a stacked key's layer
-        always is), else copied together from the chunks that overlap it."""
+        always is), else copied together from the chunks that overlap it. Only that box's bytes are read: DCP
+        stores each chunk as a torch.save archive at a byte range of a .distcp file, and torch's own reader
+        would load whole chunks (for a stacked `[L, ...]` key, every layer for each layer)."""
         box_offsets, box_sizes = self._box(s)
         dest = None
         for low, high, chunk, inside, _ in self._overlapping_chunks(s, box_offsets, box_sizes):
