@@ -10,7 +10,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, VerificationError
 from .output import MANIFEST_FILE
 from ..storage import Location
 
@@ -63,6 +63,22 @@ class Target:
             return self._already_published(prepared)
         self._check_replaceable(overwrite)
         return self._stage(prepared, room)
+
+    def published(self, prepared, overwrite: bool = False) -> dict | None:
+        """The manifest when the target already holds exactly this merge (same inputs, plan and code). With
+        `overwrite` the files must also pass `check_published` — the same check a rerun reports — so a model
+        damaged since it was published is rebuilt, not kept."""
+        from ..engine.fingerprints import weights_id
+
+        manifest = self.manifest()
+        if manifest is None or manifest.get("weights_id") != weights_id(prepared.source, prepared.plan):
+            return None
+        if overwrite:
+            try:
+                self.check_published(manifest)
+            except (VerificationError, CheckpointError):
+                return None
+        return manifest
 
     def require_manifest(self) -> dict:
         """The published model's manifest; a target without one is no model (an interrupted or ongoing merge)."""

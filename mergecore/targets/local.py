@@ -19,7 +19,7 @@ import stat
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import CheckpointError, VerificationError
+from ..errors import CheckpointError
 from .output import MANIFEST_FILE, STAGING_MARKER
 from .publish import publish, repair_target
 from ..engine.writer import PARTIAL_SUFFIX, METADATA_SLACK, prepare_files
@@ -68,8 +68,22 @@ class LocalTarget(Target):
         """Put back a model a crash took away mid-publish (`publish.repair_target`), and remove a finished model a
         crash left under the staging name (never resumed from)."""
         repair_target(self.path)
-        if os.path.isdir(self.staging) and not os.path.islink(self.staging) and (self.staging / MANIFEST_FILE).exists():
+        if self._staging_state() == "finished":
             shutil.rmtree(self.staging)
+
+    def _staging_state(self) -> str | None:
+        """What the staging name holds: None (nothing), "marked" (a staging folder ckptflow made), "finished" (a
+        model a crash left there after or before the swap), "empty" (a bare folder), or "foreign" (a link, a file,
+        anyone's folder: never touched)."""
+        try:
+            mode = os.lstat(self.staging).st_mode
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISDIR(mode):
+            return "foreign"
+        names = os.listdir(self.staging)
+        return ("finished" if MANIFEST_FILE in names else "marked" if STAGING_MARKER in names
+                else "empty" if not names else "foreign")
 
     def manifest(self) -> dict | None:
         """The published model's manifest, or None when the folder holds none."""
@@ -77,50 +91,28 @@ class LocalTarget(Target):
 
         return load_manifest(self.path) if (self.path / MANIFEST_FILE).is_file() else None
 
-    def published(self, prepared, overwrite: bool) -> dict | None:
-        """The manifest when the target already holds exactly this merge (same inputs, plan and code). With
-        `overwrite` its files are also re-hashed: a damaged model is rebuilt, not kept."""
-        from ..engine.fingerprints import weights_id
-        from ..proofs.verify import verify_manifest
-
-        manifest = self.manifest()
-        if manifest is None or manifest.get("weights_id") != weights_id(prepared.source, prepared.plan):
-            return None
-        if overwrite:
-            try:
-                verify_manifest(self.path)
-            except (VerificationError, CheckpointError):
-                return None
-        return manifest
-
     def open_staging(self, fresh: bool = False) -> Path:
-        """The staging folder, ready to write into: a crashed run's (marked by us, or a finished model a crash
-        left under the staging name, or empty) is reused, or emptied when `fresh` or finished; anything else
-        at that name is refused. A new one is made with `mkdir`, which never follows or replaces a link."""
-        try:
-            mode = os.lstat(self.staging).st_mode
-        except FileNotFoundError:
-            mode = None
-        if mode is not None:
-            names = os.listdir(self.staging) if stat.S_ISDIR(mode) else None
-            if names is None or (names and STAGING_MARKER not in names and MANIFEST_FILE not in names):
-                raise CheckpointError(
-                    f"{self.staging}: exists and is not a staging folder ckptflow made ({'a link' if stat.S_ISLNK(mode) else 'not marked'}); "
-                    "remove it, then merge again")
-            if fresh or MANIFEST_FILE in names or STAGING_MARKER not in names:
-                shutil.rmtree(self.staging)
-                mode = None
-        if mode is None:
-            os.mkdir(self.staging, 0o755)
-            descriptor = os.open(self.staging / STAGING_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-            with os.fdopen(descriptor, "w") as marker:
-                json.dump({"target": self.url, "pid": os.getpid()}, marker)
+        """The staging folder, ready to write into: a crashed run's (marked by us) is reused unless `fresh`; a
+        finished model or a bare folder at that name is replaced; anything else there is refused. A new one is
+        made with `mkdir`, which never follows or replaces a link."""
+        state = self._staging_state()
+        if state == "foreign":
+            kind = "a link" if os.path.islink(self.staging) else "not marked"
+            raise CheckpointError(f"{self.staging}: exists and is not a staging folder ckptflow made ({kind}); "
+                                  "remove it, then merge again")
+        if state == "marked" and not fresh:
+            return self.staging
+        if state is not None:
+            shutil.rmtree(self.staging)
+        os.mkdir(self.staging, 0o755)
+        descriptor = os.open(self.staging / STAGING_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(descriptor, "w") as marker:
+            json.dump({"target": self.url, "pid": os.getpid()}, marker)
         return self.staging
 
     def discard(self) -> None:
         """Remove the staging folder (a failed or interrupted merge), if it is ours: a real folder we marked."""
-        if os.path.isdir(self.staging) and not os.path.islink(self.staging) and \
-                os.path.isfile(self.staging / STAGING_MARKER):
+        if self._staging_state() == "marked":
             shutil.rmtree(self.staging, ignore_errors=True)
 
     def _already_published(self, prepared) -> dict:

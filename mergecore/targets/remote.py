@@ -82,21 +82,6 @@ class RemoteTarget(Target):
 
         return load_manifest(self.location) if self.location.join(MANIFEST_FILE).exists() else None
 
-    def published(self, prepared, overwrite: bool = False) -> dict | None:
-        """The manifest when the target already holds exactly this merge. (With `overwrite` the stored sizes must
-        match too; `ckptflow verify` re-hashes everything.)"""
-        from ..engine.fingerprints import weights_id
-
-        manifest = self.manifest()
-        if manifest is None or manifest.get("weights_id") != weights_id(prepared.source, prepared.plan):
-            return None
-        if overwrite:
-            try:
-                check_sizes(self.location, manifest)
-            except VerificationError:
-                return None
-        return manifest
-
     def _already_published(self, prepared) -> dict:
         from ..engine.fingerprints import weights_id
 
