@@ -51,12 +51,12 @@ TARGET_BUCKET = "bench-models"
 
 
 def local_promote_argv(role: Path, target: Path, workers: int) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", "promote", str(role), "--target", str(target), "--dtype", "bf16",
+    return [sys.executable, "-m", "ckptflow.flows.cli", "promote", str(role), "--target", str(target), "--dtype", "bf16",
             "--task-runner", "dask", "--dask-workers", str(workers)]
 
 
 def s3_promote_argv(source: str, target: str, scheduler: str, max_shard_size: str) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", "promote", source, "--target", target, "--dtype", "bf16",
+    return [sys.executable, "-m", "ckptflow.flows.cli", "promote", source, "--target", target, "--dtype", "bf16",
             "--max-shard-size", max_shard_size, "--task-runner", "dask", "--dask-address", scheduler]
 
 
@@ -132,7 +132,7 @@ def one_s3_sample(source: str, target: str, workers: int, args, env: dict, dask_
     """One promotion on a fresh LocalCluster of `workers` processes: seconds and each worker's counted reads."""
     from distributed import Client, LocalCluster
 
-    from ckptflow_testing.s3_reads import count_s3_reads, s3_reads
+    from ckptflow.testing.s3_reads import count_s3_reads, s3_reads
 
     started = time.perf_counter()
     with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",

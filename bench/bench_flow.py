@@ -24,7 +24,7 @@ The restated pipeline goals, printed as lines with met / not met (each term a me
 
 Checkpoints are bench_merge's shape (W=4 FSDP2, Qwen2-like, hidden 2048; 2.33 GB at 10 layers, +0.18 GB a
 layer). Up to 20 layers they are written by real FSDP (bench_merge.checkpoint); beyond, real FSDP would hold W
-copies of the model with its optimizer in RAM, so the rank files come from ckptflow_testing.large_world: the
+copies of the model with its optimizer in RAM, so the rank files come from ckptflow.testing.large_world: the
 same DTensor pickles built from local chunks under torch's fake process group, seeded (untrained) values.
 Everything stays under --work (bench/_work, git-ignored).
 """
@@ -77,7 +77,7 @@ def bench_checkpoint(work: Path, layers: int) -> Path:
     root = work / f"ckpt-{layers}-layers"
     role = root / "global_step_1" / "actor"
     if not (role / "model_world_size_4_rank_3.pt").exists():
-        from ckptflow_testing.large_world import LargeWorldSpec, write_large_world
+        from ckptflow.testing.large_world import LargeWorldSpec, write_large_world
 
         shutil.rmtree(root, ignore_errors=True)
         spec = bench_spec(layers)
@@ -135,7 +135,7 @@ def same_shape_dag(groups: int):
 
 def forget_opened_checkpoints() -> None:
     """Drop tasks.sources' per-process cache of opened (mmapped) checkpoints."""
-    from tasks import sources
+    from ckptflow.tasks import sources
 
     sources._opened.cache_clear()
     sources._prepared.cache_clear()
@@ -178,7 +178,7 @@ def main() -> None:
     try:
         from prefect import flow
 
-        from flows.run import in_process_settings, run_promotion
+        from ckptflow.flows.run import in_process_settings, run_promotion
         from mergecore import merge_checkpoint
 
         @flow

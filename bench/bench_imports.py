@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MERGE_IMPORTS = ("flows.cli", "mergecore", "mergecore.engine.merge", "mergecore.formats.fsdp", "mergecore.formats.torchfile",
+MERGE_IMPORTS = ("ckptflow.flows.cli", "mergecore", "mergecore.engine.merge", "mergecore.formats.fsdp", "mergecore.formats.torchfile",
                  "mergecore.formats.untrusted", "mergecore.engine.writer", "mergecore.targets.output", "mergecore.targets.publish",
                  "mergecore.proofs.verify", "mergecore.numbers.arrays")
 HEAVY = ("torch", "transformers", "ml_dtypes", "prefect", "megatron")

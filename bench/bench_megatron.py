@@ -37,8 +37,8 @@ def checkpoint(work: Path) -> Path:
     import torch
     import transformers
 
-    from ckptflow_testing.megatron_dist_fixtures import save_dist, to_dist_state
-    from ckptflow_testing.megatron_fixtures import reshard
+    from ckptflow.testing.megatron_dist_fixtures import save_dist, to_dist_state
+    from ckptflow.testing.megatron_fixtures import reshard
 
     config = transformers.Qwen2Config(**CONFIG)
     torch.manual_seed(0)
@@ -66,7 +66,7 @@ def main() -> None:
     out = args.work / "mcore-out"
     size = sum(f.stat().st_size for f in (role / "model" / "dist_ckpt").glob("*.distcp")) / 1e9
     print(f"\n{size:.2f} GB dist_ckpt (fp32), medians of {args.repeat}")
-    ours = run("ckptflow merge (bf16, verified)", [PYTHON, "-m", "flows.cli", "merge", "--backend", "megatron_dist",
+    ours = run("ckptflow merge (bf16, verified)", [PYTHON, "-m", "ckptflow.flows.cli", "merge", "--backend", "megatron_dist",
                                                    "--local_dir", str(role), "--target_dir", str(out), "--dtype", "bf16"],
                out, args.repeat, role)
     base = run("dcp_to_torch_save + full load", [PYTHON, str(HERE / "dcp_full_load.py"), str(role / "model" / "dist_ckpt"),
@@ -85,7 +85,7 @@ def main() -> None:
 
 
 def run_fsdp(role: Path, out: Path, repeat: int) -> dict:
-    argv = [PYTHON, "-m", "flows.cli", "merge", "--backend", "fsdp", "--local_dir", str(role), "--target_dir", str(out),
+    argv = [PYTHON, "-m", "ckptflow.flows.cli", "merge", "--backend", "fsdp", "--local_dir", str(role), "--target_dir", str(out),
             "--dtype", "bf16"]
     return median_run("ckptflow merge, FSDP (bf16, verified)", argv, out, repeat, f"{role}/model_*.pt")
 

@@ -29,7 +29,7 @@ MERGE = "import sys; from mergecore import merge_checkpoint; merge_checkpoint(sy
 def legacy_checkpoint(root: Path) -> Path:
     import torch
 
-    from ckptflow_testing.megatron_fixtures import write_megatron_checkpoint
+    from ckptflow.testing.megatron_fixtures import write_megatron_checkpoint
 
     ckpt = write_megatron_checkpoint(root / "legacy", "llama", tp=2, style="megatron-lm")
     for path in (ckpt.role_dir / "model").glob("mp_rank_*/model.pt"):
@@ -42,7 +42,7 @@ def legacy_checkpoint(root: Path) -> Path:
 
 
 def dist_checkpoint(root: Path) -> Path:
-    from ckptflow_testing.megatron_dist_fixtures import write_dist_checkpoint
+    from ckptflow.testing.megatron_dist_fixtures import write_dist_checkpoint
 
     return write_dist_checkpoint(root / "dist", "llama").role_dir
 

@@ -41,14 +41,14 @@ PYTHON = sys.executable
 
 
 def bench_spec(layers: int):
-    from ckptflow_testing.demo_checkpoint import DemoSpec
+    from ckptflow.testing.demo_checkpoint import DemoSpec
 
     return DemoSpec(arch="qwen2", mode="fsdp2", world_size=4, hidden_size=2048, intermediate_size=5632,
                     num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)
 
 
 def checkpoint(work: Path, layers: int) -> Path:
-    from ckptflow_testing.demo_checkpoint import write_demo_checkpoint
+    from ckptflow.testing.demo_checkpoint import write_demo_checkpoint
 
     root = work / f"ckpt-{layers}-layers"
     role = root / "global_step_1" / "actor"
@@ -81,7 +81,7 @@ def merge_phase_samples(role: Path, out: Path, extra: list[str], repeat: int, en
 def one_merge_phase(role: Path, out: Path, extra: list[str], env: dict | None = None) -> float:
     shutil.rmtree(out, ignore_errors=True)
     warm(f"{role}/model_*.pt")
-    subprocess.run([PYTHON, "-m", "flows.cli", "merge", "--local_dir", str(role), "--target_dir", str(out), *extra],
+    subprocess.run([PYTHON, "-m", "ckptflow.flows.cli", "merge", "--local_dir", str(role), "--target_dir", str(out), *extra],
                    check=True, capture_output=True, env=env)
     seconds = json.loads((out / "ckptflow_manifest.json").read_text())["timings"]["merge"]
     shutil.rmtree(out, ignore_errors=True)

@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args()
 
-    from ckptflow_testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
+    from ckptflow.testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
 
     server, env = start_moto()
     import s3fs
@@ -102,7 +102,7 @@ def main() -> None:
 
         runs = {"range reads -> s3 (ckptflow)": [], "whole copies + local merge + upload": []}
         for i in range(args.repeat):
-            cli = [sys.executable, "-m", "flows.cli", "merge", "--local_dir", source, "--target_dir",
+            cli = [sys.executable, "-m", "ckptflow.flows.cli", "merge", "--local_dir", source, "--target_dir",
                    f"s3://bench-models/range-{i}", "--dtype", "bf16"]
             runs["range reads -> s3 (ckptflow)"].append(measure(cli, env))
             base = [sys.executable, "-c", BASELINE, source, f"bench-models/whole-{i}"]

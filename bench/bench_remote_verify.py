@@ -29,7 +29,7 @@ from moto_s3 import start_moto  # noqa: E402
 
 OLD_WAY = """
 import sys
-from flows.cli import verify_folder
+from ckptflow.flows.cli import verify_folder
 from mergecore import open_target
 with open_target(sys.argv[1]).local_copy() as folder:
     print([r["check"] for r in verify_folder(folder, False, None, None)])
@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=8, help="about this many weight files")
     args = parser.parse_args()
 
-    from ckptflow_testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
+    from ckptflow.testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
 
     server, env = start_moto()
     import s3fs
@@ -107,7 +107,7 @@ def main() -> None:
 
         runs = {"ranged reads, file by file (ckptflow verify)": [], "whole copy, then local checks (before)": []}
         for i in range(args.repeat):
-            for label, argv in zip(runs, ([sys.executable, "-m", "flows.cli", "verify", url],
+            for label, argv in zip(runs, ([sys.executable, "-m", "ckptflow.flows.cli", "verify", url],
                                           [sys.executable, "-c", OLD_WAY, url])):
                 runs[label].append(measure_disk(argv, env, Path(scratch) / f"run-{len(runs[label])}-{i}-{label[:5]}"))
         for label, samples in runs.items():

@@ -3,7 +3,7 @@
     python bench/bench_world.py --repeat 3
 
 The model is the issue's tiny Qwen2 (4 layers, hidden 256, 51 tensors, ~50 MB fp32) saved in verl's
-FSDP2 layout with W ranks by `ckptflow_testing.large_world` (one process, torch's fake process group,
+FSDP2 layout with W ranks by `ckptflow.testing.large_world` (one process, torch's fake process group,
 real DTensor pickles). Checkpoints are kept under bench/_work (W=1024 takes ~30 s to write). Whole
 processes, start-up included, warm page cache, medians of `--repeat`; the W=1024/W=256 ratio and the
 ckptflow vs verl-style ratio come from the same run; at each world size the contenders alternate (one
@@ -34,7 +34,7 @@ WORLDS = (256, 1024)
 
 
 def checkpoint(work: Path, world_size: int) -> Path:
-    from ckptflow_testing.large_world import LargeWorldSpec, write_large_world
+    from ckptflow.testing.large_world import LargeWorldSpec, write_large_world
 
     root = work / f"world-{world_size}"
     role = root / "global_step_1" / "actor"

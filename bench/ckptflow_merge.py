@@ -5,7 +5,7 @@ import sys
 import time
 
 import mergecore.engine.merge  # noqa: F401
-from flows.cli import app
+from ckptflow.flows.cli import app
 
 started = time.perf_counter()
 app(sys.argv[1:], prog_name="ckptflow", standalone_mode=False)

@@ -42,7 +42,7 @@ def main() -> None:
     server, url = bf.start_server(work / "prefect-home")
     os.environ.update(PREFECT_API_URL=url, PREFECT_LOGGING_LEVEL="WARNING")
     try:
-        from flows.run import run_promotion
+        from ckptflow.flows.run import run_promotion
         from mergecore import merge_checkpoint
 
         out = work / "breakdown-out"

@@ -55,7 +55,7 @@ def describe_device(args) -> str:
 
 def demo_checkpoint(args, work: Path) -> tuple[Path, Path]:
     """A real FSDP2 checkpoint of a Qwen2-like model of the requested size: (role folder, reference folder)."""
-    from ckptflow_testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
+    from ckptflow.testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
 
     heads = max(1, args.hidden // 64)
     spec = DemoSpec(world_size=args.world_size, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,

@@ -1,6 +1,6 @@
 """Write Megatron dist_ckpt (torch_dist) checkpoints from Hugging Face models, for tests and demos.
 
-The tensors are the TP=1 pieces of `ckptflow_testing.megatron_fixtures.reshard` (the inverse transforms),
+The tensors are the TP=1 pieces of `ckptflow.testing.megatron_fixtures.reshard` (the inverse transforms),
 i.e. Megatron's global tensors; layer tensors are stacked on a leading layer axis (homogeneous
 models) or kept under per-layer keys `decoder.layers.<i>.<suffix>` (`stacked=False`), experts on an
 expert axis (`decoder.layers.mlp.experts.experts.linear_fc1.weight`: `[L, E, ...]`). They are saved

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from flows.signals import raise_on_sigterm, stopped
+from ckptflow.flows.signals import raise_on_sigterm, stopped
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
 out = Console()
@@ -482,8 +482,8 @@ def promote(
     A LoRA checkpoint is published as its fused model; by default with its PEFT adapter in lora_adapter/
     (pushed inside the same repo)."""
     require_pipeline("promote")
-    from flows.engines import check_engine_options
-    from flows.run import run_promotion
+    from ckptflow.flows.engines import check_engine_options
+    from ckptflow.flows.run import run_promotion
     from mergecore import open_target
 
     if not hub_repo and (revision or tag or hub_token_secret):
@@ -521,8 +521,8 @@ def watch(
     once: bool = typer.Option(False, "--once", help="Poll once and exit (for cron; the state carries sizes between runs)."),
 ):
     """Poll storage for new complete checkpoints and post `checkpoint.uploaded` for each, once."""
-    from flows.events import api_url
-    from flows.watch import Watcher
+    from ckptflow.flows.events import api_url
+    from ckptflow.flows.watch import Watcher
 
     if interval <= 0:
         refuse(f"--interval {interval}: give a positive number of seconds")
@@ -551,8 +551,8 @@ def promote_latest_command(
 ):
     """Promote the latest step of each run unless it is already promoted (the target and Hub branch are the ledger)."""
     require_pipeline("promote-latest")
-    from flows.latest import promote_latest
-    from flows.run import first_error, in_process_settings
+    from ckptflow.flows.latest import promote_latest
+    from ckptflow.flows.run import first_error, in_process_settings
 
     with in_process_settings():
         state = promote_latest(run_roots=run_roots, target_root=target_root, hub_org=hub_org, keep_last_n=keep_last_n,
@@ -582,7 +582,7 @@ def deploy(
 ):
     """Create the work pool and apply deployments/prefect.yaml (and its triggers) to PREFECT_API_URL; idempotent."""
     require_pipeline("deploy")
-    from flows.deploy import apply_deployments
+    from ckptflow.flows.deploy import apply_deployments
 
     for line in apply_deployments(target_root, hub_org, pool, checkpoint_root=checkpoint_root,
                                   revision_pattern=revision_pattern):
@@ -602,8 +602,8 @@ def notify(
     timeout: Optional[float] = typer.Option(None, "--timeout", help="With --wait: give up after this many seconds."),
 ):
     """Announce an uploaded checkpoint (`checkpoint.uploaded` event) to PREFECT_API_URL; the deployment promotes it."""
-    from flows.events import api_url
-    from flows.events import checkpoint_event, follow_run, post_events, triggered_run
+    from ckptflow.flows.events import api_url
+    from ckptflow.flows.events import checkpoint_event, follow_run, post_events, triggered_run
 
     event = checkpoint_event(checkpoint, step, run, target=target, hub_repo=hub_repo, revision=revision)
     post_events(api_url(), [event])
@@ -643,7 +643,7 @@ def demo_checkpoint(
     tie_word_embeddings: bool = typer.Option(False, "--tie-word-embeddings"),
 ):
     """Train a tiny model for one step with real torch.distributed FSDP and save it as verl does."""
-    from ckptflow_testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
+    from ckptflow.testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
 
     spec = DemoSpec(arch=arch, mode=mode, world_size=world_size, num_hidden_layers=layers,
                     tie_word_embeddings=tie_word_embeddings)

@@ -121,8 +121,8 @@ def pool_exists(client, name: str) -> bool:
 
 
 def flow_of(entrypoint: str):
-    path, name = entrypoint.split(":")
-    return getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name)
+    module, name = entrypoint.split(":")  # module entrypoints: the installed package, wherever the worker runs
+    return getattr(importlib.import_module(module), name)
 
 
 def apply_one(client, spec: dict, deployment: dict, pool: str, boundary: dict, env: dict) -> str:

@@ -105,7 +105,7 @@ def promote_latest(
 ) -> dict:
     """For each run root, promote the step its tracker names unless it is already promoted; then apply
     retention. Returns {run: {step, promoted, target, hub_repo, revision, removed}}."""
-    from tasks.hub import hub_token
+    from ckptflow.tasks.hub import hub_token
 
     if keep_last_n is not None:
         if keep_last_n < 1:

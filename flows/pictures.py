@@ -15,8 +15,8 @@ from pathlib import Path
 from mergecore.inspect import shown_view
 from mergecore.picture import checkpoint_layout, render_markdown, write_picture
 from mergecore.storage import Location
-from tasks.caching import results_folder
-from tasks.sources import CheckpointRef, source_for
+from ckptflow.tasks.caching import results_folder
+from ckptflow.tasks.sources import CheckpointRef, source_for
 
 ARTIFACT_KEY = "checkpoint-picture"
 

@@ -21,10 +21,10 @@ from mergecore.numbers.nonfinite import check_nonfinite_policy, nonfinite_found
 from mergecore.targets.output import BackgroundHashes
 from mergecore.storage import Location
 from mergecore.targets import open_target
-from tasks import (discover_shards, finalize_model, merge_file, merge_group, plan_groups, prepare_staging, push_to_hub,
+from ckptflow.tasks import (discover_shards, finalize_model, merge_file, merge_group, plan_groups, prepare_staging, push_to_hub,
                    run_equivalence_tests, validate_metadata)
-from tasks.caching import group_cache_policy, merge_file_key, results_folder
-from tasks.sources import CheckpointRef, lora_options
+from ckptflow.tasks.caching import group_cache_policy, merge_file_key, results_folder
+from ckptflow.tasks.sources import CheckpointRef, lora_options
 
 from .engines import group_task_runner, seen_from_workers
 from .pictures import publish_picture

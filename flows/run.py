@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager, nullcontext
 
-from flows.signals import Terminated
+from ckptflow.flows.signals import Terminated
 from mergecore import CheckpointError, VerificationError
 
 
@@ -85,7 +85,7 @@ def run_promotion(**parameters) -> dict:
     task's own error (CheckpointError: bad input; VerificationError: not equal) so the CLI can
     print its one line and exit non-zero.
     """
-    from flows.promote import promote_checkpoint
+    from ckptflow.flows.promote import promote_checkpoint
 
     with in_process_settings():
         state = promote_checkpoint(**parameters, return_state=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ckptflow_testing.demo_checkpoint import DemoCheckpoint, DemoSpec, write_demo_checkpoints
+from ckptflow.testing.demo_checkpoint import DemoCheckpoint, DemoSpec, write_demo_checkpoints
 from helpers import free_port
 
 # One checkpoint per way verl can save an FSDP model (see docs/facts.md).
@@ -97,7 +97,7 @@ def copy_run(original, root: Path):
 @pytest.fixture
 def cli():
     """Run `ckptflow ARGS...` in-process; returns click's Result (exit_code, stdout, stderr)."""
-    from flows.cli import app
+    from ckptflow.flows.cli import app
 
     runner = CliRunner()
     return lambda *args: runner.invoke(app, [str(a) for a in args])
@@ -119,7 +119,7 @@ def prefect_server():
     """A real Prefect API (temporary SQLite database) for the flow tests of this session."""
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.run import in_process_settings
+    from ckptflow.flows.run import in_process_settings
 
     with in_process_settings(), prefect_test_harness(server_startup_timeout=60):
         yield
@@ -162,7 +162,7 @@ def s3_env(s3_endpoint, monkeypatch, tmp_path):
 @pytest.fixture
 def s3_reads():
     """Bytes s3fs returned per object key, and the keys fetched whole (a GET without a range)."""
-    from ckptflow_testing.s3_reads import counting
+    from ckptflow.testing.s3_reads import counting
 
     with counting() as (fetched, whole):
         yield fetched, whole

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptflow_testing.megatron_fixtures import write_megatron_checkpoint
+from ckptflow.testing.megatron_fixtures import write_megatron_checkpoint
 from mergecore import CheckpointError, merge_checkpoint, open_checkpoint
 from weights import assert_cast_of, load_folder
 

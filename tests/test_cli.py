@@ -76,7 +76,7 @@ def test_inspect_json(cli, demo):
 
 def test_console_script_exit_code_in_a_real_process(tmp_path):
     (tmp_path / "empty").mkdir()
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "merge", "--local_dir", str(tmp_path / "empty"),
+    done = subprocess.run([sys.executable, "-m", "ckptflow.flows.cli", "merge", "--local_dir", str(tmp_path / "empty"),
                            "--target_dir", str(tmp_path / "out")], capture_output=True, text=True)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "no checkpoint found" in done.stderr
@@ -99,7 +99,7 @@ def test_quick_manifest_check_notices_a_rewritten_file(demo, tmp_path):
 
 def test_megatron_legacy_through_the_cli(cli, tmp_path):
     from mergecore import compare_with_reference
-    from ckptflow_testing.megatron_fixtures import write_megatron_checkpoint
+    from ckptflow.testing.megatron_fixtures import write_megatron_checkpoint
 
     ckpt = write_megatron_checkpoint(tmp_path / "run", "qwen2", tp=2, pp=2)
     result = cli("merge", "--backend", "megatron", "--local_dir", ckpt.run_root, "--target_dir", tmp_path / "out",
@@ -124,7 +124,7 @@ def test_megatron_legacy_through_the_cli(cli, tmp_path):
 
 def test_backend_megatron_reads_dist_ckpt_as_verl_does(cli, tmp_path):
     from mergecore import compare_with_reference
-    from ckptflow_testing.megatron_dist_fixtures import write_dist_checkpoint
+    from ckptflow.testing.megatron_dist_fixtures import write_dist_checkpoint
 
     ckpt = write_dist_checkpoint(tmp_path / "run", "qwen2")
     result = cli("merge", "--backend", "megatron", "--local_dir", ckpt.run_root, "--target_dir", tmp_path / "out",
@@ -148,7 +148,7 @@ def test_fsdp_merge_and_verify_never_import_torch(demo, tmp_path):
     ckpt = demo("hsdp-2x2")
     script = (
         "import sys\n"
-        "from flows.cli import app\n"
+        "from ckptflow.flows.cli import app\n"
         f"app(['merge', '--local_dir', {str(ckpt.role_dir)!r}, '--target_dir', {str(tmp_path / 'out')!r}],"
         " prog_name='ckptflow', standalone_mode=False)\n"
         f"app(['verify', {str(tmp_path / 'out')!r}], prog_name='ckptflow', standalone_mode=False)\n"
@@ -163,7 +163,7 @@ def test_fsdp_merge_and_verify_never_import_torch(demo, tmp_path):
 def test_flow_heartbeats_are_off_in_process_unless_asked_for():
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
 
-    from flows.run import in_process_settings
+    from ckptflow.flows.run import in_process_settings
 
     with in_process_settings():
         assert get_current_settings().flows.heartbeat_frequency is None
@@ -175,7 +175,7 @@ def test_pipeline_commands_without_prefect_name_the_extra(tmp_path):
     """A base install (no `pipeline` extra): promote, promote-latest and deploy say what to install, in one line."""
     for args in (["promote", str(tmp_path), "--target", str(tmp_path / "m")], ["promote-latest", str(tmp_path),
                  "--target-root", str(tmp_path)], ["deploy", "--checkpoint-root", str(tmp_path)]):
-        code = ("import sys; sys.modules['prefect'] = None; from flows.cli import main; "
+        code = ("import sys; sys.modules['prefect'] = None; from ckptflow.flows.cli import main; "
                 f"sys.argv = ['ckptflow', *{args!r}]; main()")
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and "pip install 'ckptflow[pipeline]'" in done.stderr, (args, done.stderr)

@@ -14,14 +14,14 @@ s3fs = pytest.importorskip("s3fs")
 
 @pytest.fixture(scope="module")
 def legacy(tmp_path_factory):
-    from ckptflow_testing.megatron_fixtures import write_megatron_checkpoint
+    from ckptflow.testing.megatron_fixtures import write_megatron_checkpoint
 
     return write_megatron_checkpoint(tmp_path_factory.mktemp("legacy") / "run", "qwen2", tp=2, pp=2, step=10)
 
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory):
-    from ckptflow_testing.megatron_dist_fixtures import write_dist_checkpoint
+    from ckptflow.testing.megatron_dist_fixtures import write_dist_checkpoint
 
     base = tmp_path_factory.mktemp("dist")
     return (write_dist_checkpoint(base / "new" / "run", "qwen2", layout="verl091", step=10),

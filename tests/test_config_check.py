@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from ckptflow_testing.demo_checkpoint import LOGITS_FILE
+from ckptflow.testing.demo_checkpoint import LOGITS_FILE
 from conftest import copy_run
 from mergecore import CheckpointError, compare_logits, merge_checkpoint
 from weights import load_folder

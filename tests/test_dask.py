@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 from helpers import GROUPS, free_port, merge_group_states
 
-from flows.promote import promote_checkpoint
+from ckptflow.flows.promote import promote_checkpoint
 
 MERGED_BY = re.compile(r"group (\S+) merged by process (\d+) on (\S+)")
 DESCRIBES_THE_RUN = ("ckptflow_manifest.json", "README.md")  # the manifest and card record the checks run
@@ -132,7 +132,7 @@ def test_s3_to_s3_on_two_workers_each_reads_and_writes_its_share(prefect_server,
     itself, reading just the ranges of the rank files those files need."""
     from distributed import Client, LocalCluster
 
-    from ckptflow_testing.s3_reads import count_s3_reads, s3_reads
+    from ckptflow.testing.s3_reads import count_s3_reads, s3_reads
     from helpers import objects, upload
 
     ckpt = demo("fsdp2-w2-vocab8k")

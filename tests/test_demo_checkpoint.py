@@ -1,4 +1,4 @@
-"""Tests of ckptflow_testing.demo_checkpoint: the tiny real verl FSDP checkpoints used as fixtures."""
+"""Tests of ckptflow.testing.demo_checkpoint: the tiny real verl FSDP checkpoints used as fixtures."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.distributed.tensor  # noqa: F401  (registers DTensor for torch.load
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ckptflow_testing.demo_checkpoint import (
+from ckptflow.testing.demo_checkpoint import (
     DemoCheckpoint,
     DemoCheckpointError,
     DemoSpec,

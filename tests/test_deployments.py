@@ -13,8 +13,8 @@ SPEC = yaml.safe_load((Path(__file__).parents[1] / "deployments" / "prefect.yaml
 
 
 def flow_of(entrypoint: str):
-    path, name = entrypoint.split(":")
-    return getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name)
+    module, name = entrypoint.split(":")  # module entrypoints: the installed package, wherever the worker runs
+    return getattr(importlib.import_module(module), name)
 
 
 @pytest.mark.parametrize("deployment", SPEC["deployments"], ids=lambda d: d["name"])
@@ -40,7 +40,7 @@ def test_deployment_matches_the_flow(deployment):
 def test_promote_latest_is_scheduled_but_inactive_until_configured():
     from prefect.client.schemas.schedules import CronSchedule
 
-    latest = [d for d in SPEC["deployments"] if d["entrypoint"] == "flows/latest.py:promote_latest"]
+    latest = [d for d in SPEC["deployments"] if d["entrypoint"] == "ckptflow.flows.latest:promote_latest"]
     assert len(latest) == 1 and latest[0]["schedules"]
     for schedule in latest[0]["schedules"]:
         assert schedule["active"] is False
@@ -181,8 +181,11 @@ def test_the_gpu_deployment_builds_and_pushes_the_cuda_variant_of_the_containerf
     assert image == f"{built['image_name']}:{built['tag']}" == "ghcr.io/acme/ckptflow:1-cuda"
     (pull,) = gpu["pull"]
     workdir = pull["prefect.deployments.steps.set_working_directory"]["directory"]
-    entry_folder = gpu["entrypoint"].split("/")[0]
-    assert f"COPY {entry_folder} {workdir}/{entry_folder}" in text and f"WORKDIR {workdir}" in text
+    # the entrypoint is a module of the installed package: the image copies its folder and installs it
+    package = gpu["entrypoint"].split(":")[0].rpartition(".")[0]
+    folder = {"ckptflow.flows": "flows"}[package]
+    assert f"COPY {folder} {workdir}/{folder}" in text and 'pip install ".[pipeline' in text
+    assert f"WORKDIR {workdir}" in text
 
 
 def test_the_build_context_keeps_what_the_containerfile_copies():

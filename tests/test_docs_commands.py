@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import typer
 
-from flows.cli import app
+from ckptflow.flows.cli import app
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

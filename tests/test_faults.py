@@ -32,7 +32,7 @@ def ckptflow(*args: str | Path, **popen) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.update(popen.pop("env", {}))
     env = {name: value for name, value in env.items() if value is not None}  # None: unset
-    return subprocess.Popen([PYTHON, "-m", "flows.cli", *map(str, args)], cwd=ROOT, env=env, text=True,
+    return subprocess.Popen([PYTHON, "-m", "ckptflow.flows.cli", *map(str, args)], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM
 
-from ckptflow_testing.demo_checkpoint import LOGITS_FILE
+from ckptflow.testing.demo_checkpoint import LOGITS_FILE
 from mergecore import compare_logits, merge_checkpoint
 from weights import load_folder
 

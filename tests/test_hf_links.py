@@ -29,7 +29,7 @@ def role_copy(demo, tmp_path) -> Path:
 
 
 def run_merge(role: Path, target: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", "merge", "--backend", "fsdp", "--local_dir", str(role),
+    return subprocess.run([sys.executable, "-m", "ckptflow.flows.cli", "merge", "--backend", "fsdp", "--local_dir", str(role),
                            "--target_dir", str(target)], capture_output=True, text=True, timeout=timeout)
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from conftest import copy_run
 
-from ckptflow_testing.megatron_dist_fixtures import write_dist_checkpoint
-from ckptflow_testing.megatron_fixtures import write_megatron_checkpoint
+from ckptflow.testing.megatron_dist_fixtures import write_dist_checkpoint
+from ckptflow.testing.megatron_fixtures import write_megatron_checkpoint
 
 # ---- pickles by hand -------------------------------------------------------------------------
 
@@ -719,8 +719,8 @@ DAMAGED = {"fsdp": ("fsdp2-w2", damaged_fsdp), "legacy": ("legacy", damaged_lega
 
 
 def merge_process(role: Path, target: Path, **env) -> subprocess.CompletedProcess:
-    """`python -m flows.cli merge` in a process of its own, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "flows.cli", "merge", "--local_dir", str(role), "--target_dir",
+    """`python -m ckptflow.flows.cli merge` in a process of its own, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "ckptflow.flows.cli", "merge", "--local_dir", str(role), "--target_dir",
                            str(target)], capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
 
 

@@ -373,7 +373,7 @@ def test_an_endpoint_answering_html_is_one_line_and_exit_2(captive_portal, demo,
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
     env.update(HF_ENDPOINT=captive_portal, HF_TOKEN="hf_alice", HF_HOME=str(tmp_path / "hf-home"),
                HF_HUB_DISABLE_TELEMETRY="1")
-    run = subprocess.run([sys.executable, "-m", "flows.cli", "merge", "--local_dir", str(demo("fsdp2-w2").role_dir),
+    run = subprocess.run([sys.executable, "-m", "ckptflow.flows.cli", "merge", "--local_dir", str(demo("fsdp2-w2").role_dir),
                           "--target_dir", str(tmp_path / "out"), "--hf_upload_path", "alice/portal"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2, run.stderr

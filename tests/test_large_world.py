@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptflow_testing.large_world import LargeWorldSpec, write_large_world
+from ckptflow.testing.large_world import LargeWorldSpec, write_large_world
 from mergecore import merge_checkpoint, open_checkpoint
 from mergecore.errors import CheckpointError
 from weights import load_folder

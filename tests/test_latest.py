@@ -17,8 +17,8 @@ def snapshot(folder: Path) -> dict:
 
 
 def run_flow(**parameters):
-    from flows.latest import promote_latest
-    from flows.run import in_process_settings
+    from ckptflow.flows.latest import promote_latest
+    from ckptflow.flows.run import in_process_settings
 
     with in_process_settings():
         return promote_latest(**parameters)

@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from tasks.locks import FlockLockManager
+from ckptflow.tasks.locks import FlockLockManager
 
 HOLD_UNTIL_KILLED = """
 import sys, time
 from pathlib import Path
-from tasks.locks import FlockLockManager
+from ckptflow.tasks.locks import FlockLockManager
 assert FlockLockManager(Path(sys.argv[1])).acquire_lock("group", holder="other-process")
 print("held", flush=True)
 time.sleep(600)

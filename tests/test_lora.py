@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckptflow_testing.demo_checkpoint import LOGITS_FILE, LORA_ALPHA, LORA_R
+from ckptflow.testing.demo_checkpoint import LOGITS_FILE, LORA_ALPHA, LORA_R
 
 pytest.importorskip("peft")
 
@@ -127,7 +127,7 @@ def test_rank_contradicting_the_tensors_is_refused(cli, lora_full, tmp_path):
 def fused(lora_full, tmp_path_factory):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from ckptflow.flows.cli import app
 
     target = tmp_path_factory.mktemp("fused") / "model"
     result = CliRunner().invoke(app, ["merge", "--local_dir", str(lora_full.run_root), "--target_dir", str(target),
@@ -396,7 +396,7 @@ def test_lora_flag_on_a_plain_checkpoint_is_refused(cli, demo, tmp_path):
 
 
 def test_promote_publishes_the_fused_model_with_its_adapter(prefect_server, lora_full, tmp_path):
-    from flows.promote import promote_checkpoint
+    from ckptflow.flows.promote import promote_checkpoint
     from mergecore.storage.tensorio import HfWeights
 
     target = tmp_path / "model"
@@ -414,7 +414,7 @@ def test_promote_pushes_the_fused_model_and_its_adapter_to_one_repo(prefect_serv
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from flows.promote import promote_checkpoint
+    from ckptflow.flows.promote import promote_checkpoint
 
     target = tmp_path / "model"
     result = promote_checkpoint(checkpoint=str(lora_full.run_root), target=str(target), dtype="fp32",

@@ -2,7 +2,7 @@
 
 Layout evidence: rank files holding real megatron-core 0.16.1 per-rank state dicts (mcore_real.py), merged
 and compared with the TP=1 model's own parameters (independent name table) and Megatron's own logits.
-The re-sharder fixtures (ckptflow_testing.megatron_fixtures, our transforms run backwards) only supply
+The re-sharder fixtures (ckptflow.testing.megatron_fixtures, our transforms run backwards) only supply
 damaged or odd inputs: file variants, renumbered layers, missing ranks, bad shapes.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from conftest import copy_run
 import torch
 
-from ckptflow_testing.megatron_fixtures import MegatronFixture, write_megatron_checkpoint
+from ckptflow.testing.megatron_fixtures import MegatronFixture, write_megatron_checkpoint
 from mcore_real import (LAYOUTS as REAL_LAYOUTS, PARALLEL, PARALLEL_IDS, assert_logits_match, hf_tensors,
                         needs_megatron, parallel_save, tp1_save)
 from mergecore import CheckpointError, VerificationError, compare_with_reference, merge_checkpoint

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptflow_testing.megatron_dist_fixtures import OPTIMIZER_KEY, write_dist_checkpoint
-from ckptflow_testing.megatron_fixtures import write_megatron_checkpoint
+from ckptflow.testing.megatron_dist_fixtures import OPTIMIZER_KEY, write_dist_checkpoint
+from ckptflow.testing.megatron_fixtures import write_megatron_checkpoint
 from helpers import upload
 
 s3fs = pytest.importorskip("s3fs")

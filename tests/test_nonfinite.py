@@ -19,7 +19,7 @@ DIVERGED = "model.layers.1.mlp.up_proj.weight"
 
 @pytest.fixture(scope="session")
 def diverged(tmp_path_factory):
-    from ckptflow_testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
+    from ckptflow.testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
 
     return write_demo_checkpoint(tmp_path_factory.mktemp("diverged"), DemoSpec(world_size=2, nonfinite_param=DIVERGED))
 
@@ -100,7 +100,7 @@ def test_warn_publishes_and_lists_them_in_the_manifest(cli, diverged, tmp_path):
 
 
 def test_promote_refuses_them_even_from_groups_cached_by_a_warn_run(prefect_server, diverged, tmp_path):
-    from flows.run import run_promotion
+    from ckptflow.flows.run import run_promotion
     from mergecore import CheckpointError
 
     target = tmp_path / "model"

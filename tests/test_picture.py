@@ -63,7 +63,7 @@ def tensor_rows(dom: str) -> list[tuple[str, str, str]]:
 
 
 def inspect_html(checkpoint: Path, page: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", "inspect", str(checkpoint), "--html", str(page), *extra],
+    return subprocess.run([sys.executable, "-m", "ckptflow.flows.cli", "inspect", str(checkpoint), "--html", str(page), *extra],
                           capture_output=True, text=True, timeout=600)
 
 
@@ -165,7 +165,7 @@ def test_bad_html_path_is_one_line_and_writes_nothing(demo, tmp_path):
 
 @needs_chromium
 def test_a_1024_rank_page_stays_small_and_aggregates(tmp_path):
-    from ckptflow_testing.large_world import LargeWorldSpec, write_large_world
+    from ckptflow.testing.large_world import LargeWorldSpec, write_large_world
 
     spec = LargeWorldSpec(world_size=1024, vocab_size=2048, hidden_size=64, intermediate_size=128,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -185,8 +185,8 @@ def test_promotion_makes_a_picture_artifact(prefect_server, demo_copy, tmp_path)
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    from flows.pictures import ARTIFACT_KEY, picture_file
-    from flows.promote import promote_checkpoint
+    from ckptflow.flows.pictures import ARTIFACT_KEY, picture_file
+    from ckptflow.flows.promote import promote_checkpoint
 
     ckpt = demo_copy("fsdp2-w2")
     target = tmp_path / "model"
@@ -208,7 +208,7 @@ def test_picture_of_an_s3_checkpoint_downloads_no_tensor_bytes(s3_env, demo):
     import collections
 
     pytest.importorskip("s3fs")
-    from ckptflow_testing.s3_reads import counting
+    from ckptflow.testing.s3_reads import counting
     from mergecore.formats import open_checkpoint
     from mergecore.inspect import shown_view
     from mergecore.picture import checkpoint_layout

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from flows.promote import promote_checkpoint
+from ckptflow.flows.promote import promote_checkpoint
 from helpers import GROUPS, merge_group_states
 from mergecore import merge_checkpoint
 from mergecore.engine.writer import TensorWriter
@@ -153,7 +153,7 @@ def test_hub_token_from_a_prefect_secret_block(prefect_server, hub, demo, tmp_pa
     from prefect.blocks.system import Secret
 
     from mergecore import CheckpointError
-    from tasks import push_to_hub
+    from ckptflow.tasks import push_to_hub
 
     Secret(value="hf_alice").save("ckptflow-hub-token", overwrite=True)
     monkeypatch.delenv("HF_TOKEN")
@@ -180,7 +180,7 @@ def test_promote_command(prefect_server, cli, demo, demo_copy, tmp_path):
 KILLED_DURING = """
 import os, signal, sys
 from mergecore.engine.writer import TensorWriter
-from flows.run import run_promotion
+from ckptflow.flows.run import run_promotion
 
 write = TensorWriter.write_rows  # every merge writes through it, in row blocks
 def die_in(self, planned, start, tensor):

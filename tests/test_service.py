@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from flows.service import (allowed_revision, event_place, inside_checkpoint_root, inside_org, inside_root,
+from ckptflow.flows.service import (allowed_revision, event_place, inside_checkpoint_root, inside_org, inside_root,
                            promote_uploaded)
 from mergecore import CheckpointError
 
@@ -51,7 +51,7 @@ def test_a_symlink_inside_the_root_that_leads_out_is_refused(tmp_path):
 
 
 def test_deploy_takes_a_path_or_an_object_store_root(tmp_path, monkeypatch):
-    from flows.deploy import boundary_options
+    from ckptflow.flows.deploy import boundary_options
 
     monkeypatch.chdir(tmp_path)
     assert boundary_options("models", "acme") == {"target_root": str(tmp_path / "models"), "hub_org": "acme",
@@ -187,7 +187,7 @@ def test_a_deployment_without_a_checkpoint_root_refuses_every_checkpoint():
 
 
 def test_deploy_checks_the_revision_pattern_and_normalises_the_checkpoint_root(tmp_path, monkeypatch):
-    from flows.deploy import boundary_options
+    from ckptflow.flows.deploy import boundary_options
 
     monkeypatch.chdir(tmp_path)
     given = boundary_options(None, None, "ckpts/", r"rc-\d+")
@@ -274,7 +274,7 @@ def service(tmp_path_factory):
 
 
 def ckptflow(service, *args, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *map(str, args)], env=service["env"], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "ckptflow.flows.cli", *map(str, args)], env=service["env"], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -314,7 +314,7 @@ def test_deploy_twice_changes_nothing(service):
 
 
 def test_deploy_without_a_server_url_is_one_line():
-    result = subprocess.run([sys.executable, "-m", "flows.cli", "deploy"], cwd=REPO, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "ckptflow.flows.cli", "deploy"], cwd=REPO, capture_output=True, text=True,
                             env={k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} |
                             {"PYTHONPATH": str(REPO), "PREFECT_HOME": "/nonexistent-prefect-home"}, timeout=60)
     assert result.returncode == 2 and "PREFECT_API_URL is not set" in result.stderr
@@ -323,7 +323,7 @@ def test_deploy_without_a_server_url_is_one_line():
 
 def test_notify_an_unreachable_server_is_one_line():
     dead = f"http://127.0.0.1:{free_port()}/api"
-    result = subprocess.run([sys.executable, "-m", "flows.cli", "notify", CKPT], cwd=REPO, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "ckptflow.flows.cli", "notify", CKPT], cwd=REPO, capture_output=True,
                             text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO), "PREFECT_API_URL": dead,
                                                         "CKPTFLOW_EVENTS_RETRIES": "1", "CKPTFLOW_EVENTS_BACKOFF": "0.1"})
     assert result.returncode == 2 and "cannot reach the Prefect API" in result.stderr, result.stderr
@@ -331,7 +331,7 @@ def test_notify_an_unreachable_server_is_one_line():
 
 
 def run_for(service, event: dict):
-    from flows.events import triggered_run
+    from ckptflow.flows.events import triggered_run
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -340,7 +340,7 @@ def run_for(service, event: dict):
 
 
 def test_events_with_and_without_each_optional_field_each_create_a_run(service):
-    from flows.events import checkpoint_event, post_events
+    from ckptflow.flows.events import checkpoint_event, post_events
 
     optional = {"target": f"{service['root']}/x", "hub_repo": "acme/x", "revision": "rc-1"}
     events = [checkpoint_event("/nowhere/checkpoint")]  # no step, no run: only the resource id
@@ -358,7 +358,7 @@ def test_events_with_and_without_each_optional_field_each_create_a_run(service):
 
 
 def test_notify_promotes_and_a_repeat_is_a_cache_hit_and_the_boundary_holds(service, demo):
-    from flows.events import checkpoint_event, follow_run, post_events
+    from ckptflow.flows.events import checkpoint_event, follow_run, post_events
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 

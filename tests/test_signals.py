@@ -1,6 +1,6 @@
 """SIGTERM (Kubernetes, Slurm, `timeout`) ends a command like Ctrl-C, and the temporary Prefect server behaves.
 
-Real processes: `python -m flows.cli ...` started with Popen, signalled, and the machine searched for what they
+Real processes: `python -m ckptflow.flows.cli ...` started with Popen, signalled, and the machine searched for what they
 left behind (the staging folder, the embedded server's uvicorn process).
 """
 
@@ -22,7 +22,7 @@ STARTUP_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 
 def cli_process(args: list, env: dict, log_dir: Path) -> subprocess.Popen:
     """`ckptflow ARGS` in its own process; output to files (a leftover child holding a pipe cannot hang us)."""
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *map(str, args)], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-m", "ckptflow.flows.cli", *map(str, args)], cwd=REPO, env=env,
                             stdout=open(log_dir / "stdout.log", "wb"), stderr=open(log_dir / "stderr.log", "wb"))
 
 
@@ -112,7 +112,7 @@ def test_sigterm_during_a_promotion_stops_the_temporary_server(demo, tmp_path):
 def test_a_temporary_server_that_does_not_start_in_time_is_one_line_naming_the_setting(tmp_path):
     home = tmp_path / "prefect-home"
     checkpoint = tmp_path / "checkpoint"  # never read: the server starts with the flow run, before any task
-    result = subprocess.run([sys.executable, "-m", "flows.cli", "promote", checkpoint, "--target", tmp_path / "model"], cwd=REPO, capture_output=True, text=True, timeout=120,
+    result = subprocess.run([sys.executable, "-m", "ckptflow.flows.cli", "promote", checkpoint, "--target", tmp_path / "model"], cwd=REPO, capture_output=True, text=True, timeout=120,
                             env=prefect_env(home, **{STARTUP_SETTING: "0"}))  # the user's setting wins over ours
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
@@ -125,7 +125,7 @@ def test_the_temporary_server_gets_a_generous_start_up_time_unless_the_user_set_
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as startup_timeout
     from prefect.settings import Settings, temporary_settings
 
-    from flows.run import in_process_settings
+    from ckptflow.flows.run import in_process_settings
 
     monkeypatch.delenv(STARTUP_SETTING, raising=False)
     unset = Settings()  # as a user without the setting (env or profile) has it

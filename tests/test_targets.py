@@ -20,7 +20,7 @@ ROUNDS = 10
 
 
 def ckptflow(*args, cwd=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *map(str, args)], cwd=cwd, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "ckptflow.flows.cli", *map(str, args)], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "CKPTFLOW_LOCK_TIMEOUT": "120"})
 
 

@@ -21,7 +21,7 @@ def execute(flow, flow_run_id):
     from prefect.client.orchestration import get_client
     from prefect.flow_engine import run_flow
 
-    from flows.run import in_process_settings
+    from ckptflow.flows.run import in_process_settings
 
     with get_client(sync_client=True) as client:
         flow_run = client.read_flow_run(flow_run_id)
@@ -33,7 +33,7 @@ def test_a_ui_retry_resumes_a_failed_promotion(prefect_server, hub, demo, tmp_pa
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
 
-    from flows.promote import promote_checkpoint
+    from ckptflow.flows.promote import promote_checkpoint
     from helpers import merge_group_states
 
     ckpt = demo("fsdp2-w2")

@@ -16,7 +16,7 @@ import torch
 import torch.distributed.tensor  # noqa: F401 - rank files hold DTensors
 import transformers
 
-from ckptflow_testing.demo_checkpoint import LOGITS_FILE
+from ckptflow.testing.demo_checkpoint import LOGITS_FILE
 from mergecore import compare_logits, merge_checkpoint
 from mergecore.formats.fsdp import load_rank_file
 from weights import assert_cast_of, load_folder

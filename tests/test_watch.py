@@ -64,7 +64,7 @@ def test_a_copy_in_progress_is_announced_once_when_complete(prefect_server, demo
     assert result.exit_code == 0 and f"announced {role}" in result.output
     assert "announced" not in watch().output
 
-    from flows.watch import Watcher
+    from ckptflow.flows.watch import Watcher
 
     assert Watcher(str(root), api_url(), state).poll_once() == []  # a restart with the same state
     stored = events_about(str(root), expect=1)

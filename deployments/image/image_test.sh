@@ -109,7 +109,7 @@ inside ckptflow verify "$data/inside" --reference "$data/ckpt/reference" --logit
 inside python bench/gpu_check.py --checkpoint "$data/ckpt/global_step_1/actor" --work "$data/gpu_check" --seq-len 8
 grep -q '^gpu_check: ok$' "$WORK/inside.log" || fail "bench/gpu_check.py inside the image did not end with 'gpu_check: ok' (log: $WORK/inside.log)"
 say "outside: the same merge with $HOST_PYTHON"
-"$HOST_PYTHON" -m flows.cli merge --local-dir "$data/ckpt/global_step_1/actor" --target-dir "$data/outside" --dtype bf16 \
+"$HOST_PYTHON" -m ckptflow.flows.cli merge --local-dir "$data/ckpt/global_step_1/actor" --target-dir "$data/outside" --dtype bf16 \
     > "$WORK/outside.log" 2>&1 || fail "the merge outside the image failed: $(tail -1 "$WORK/outside.log")"
 
 # Every file identical but the manifest, whose creation time, timings and mtimes differ; its weights id and
