@@ -43,7 +43,7 @@ from typing import Any
 __all__ = ["DemoSpec", "DemoCheckpoint", "DemoCheckpointError", "write_demo_checkpoint", "write_demo_checkpoints"]
 
 ARCHS = ("qwen2", "llama", "critic", "qwen3_moe", "qwen2_moe", "mixtral", "qwen2_5_vl", "qwen3_vl", "gemma3_text",
-         "qwen3_next")
+         "qwen3_next", "sarvam_moe")
 MODES = ("fsdp2", "hsdp", "fsdp1_mesh", "fsdp1", "single")
 CONFIG_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -336,7 +336,9 @@ def _write_hf_dir(spec: DemoSpec, hf_dir: Path, tokenizer) -> None:
 # (Qwen2-MoE adds a shared expert and its sigmoid gate), Mixtral `block_sparse_moe.experts.N.w1/w3/w2`.
 # Qwen3-Next has Qwen2-MoE's experts under one linear-attention (gated delta rule) and one full-attention layer,
 # whose gated `q_proj` is 2 x heads x head_dim wide.
-_IN_MEMORY_LAYOUT_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next")
+# Sarvam-MoE (GLM-4-MoE's model under its own config) also fuses q/k/v into one `attention.query_key_value` on
+# save: one output joined from three saved tensors (weight and bias).
+_IN_MEMORY_LAYOUT_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "sarvam_moe")
 _MOE_EXPERTS = 4
 # arch -> (config class, model class) in transformers.
 _MOE_FAMILIES = {
@@ -344,11 +346,16 @@ _MOE_FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "sarvam_moe": ("SarvamMoEConfig", "Glm4MoeForCausalLM"),
 }
 
 
 def _moe_fields(arch: str, spec: DemoSpec) -> dict:
     expert_size = spec.intermediate_size // 4  # tiny experts keep each fixture as cheap as a dense one
+    if arch == "sarvam_moe":  # a dense first layer, then MoE; q/k/v biases joined too
+        return dict(n_routed_experts=_MOE_EXPERTS, num_experts_per_tok=2, moe_intermediate_size=expert_size,
+                    n_shared_experts=1, first_k_dense_replace=1, attention_bias=True,
+                    head_dim=spec.head_dim or spec.hidden_size // spec.num_attention_heads)
     if arch == "mixtral":  # experts are `intermediate_size` wide; no shared expert
         return dict(num_local_experts=_MOE_EXPERTS, num_experts_per_tok=2, intermediate_size=expert_size)
     fields = dict(num_experts=_MOE_EXPERTS, num_experts_per_tok=2, moe_intermediate_size=expert_size,
@@ -385,7 +392,7 @@ def _in_memory_layout_model_class(arch: str):
 # (the Hub's files: `model.layers.*` / `visual.*`, and Qwen3-VL `model.language_model.*`); their huggingface/
 # folder holds processor files beside the tokenizer. Gemma 3 text ships with tied embeddings.
 _VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
-_OWN_LOGITS_ARCHS = _VLM_ARCHS + ("gemma3_text", "qwen3_next")  # reference/ keeps the model's own logits
+_OWN_LOGITS_ARCHS = _VLM_ARCHS + ("gemma3_text", "qwen3_next", "sarvam_moe")  # reference/ keeps the model's own logits
 _VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 # A tiny vision tower: 4x4-pixel patches, 2x2 of them merged into one language token, 2 frames per patch.
 _PATCH, _MERGE, _TEMPORAL = 4, 2, 2
