@@ -6,7 +6,10 @@ Qwen2.5-VL under `model.language_model.` / `model.visual.`) and reverts that on 
 We run that very function on meta tensors (no memory) with `.contiguous()` turned into a no-op, so every
 output stays a *view* of its source; each view's geometry is then read back as a box of one source tensor.
 Each output tensor is thus computed from one source slice: streamable one tensor at a time.
-Reverse conversions that combine several sources or reorder elements are refused (see docs/hub_layout.md).
+Outputs the conversion builds with `torch.cat` / `torch.stack` (Sarvam-MoE's fused `query_key_value` from
+`q_proj`, `k_proj`, `v_proj`) are recorded as they are built and read back as `HubParts`: boxes of several
+sources side by side, each read on its own, row block by row block. Reverse conversions that reorder
+elements (interleaving, transposes) are refused (see docs/hub_layout.md).
 
 >>> slices = hub_slices(config, {"model.layers.0.mlp.experts.gate_up_proj": (4, 64, 64)})  # doctest: +SKIP
 >>> slices["model.layers.0.mlp.experts.1.up_proj.weight"]                                   # doctest: +SKIP
@@ -15,7 +18,7 @@ HubSlice(source='model.layers.0.mlp.experts.gate_up_proj', start=(1, 32, 0), sto
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..errors import CheckpointError
@@ -44,13 +47,41 @@ class HubSlice:
             self.dims == tuple(range(len(source_shape)))
 
 
+@dataclass(frozen=True)
+class HubParts:
+    """Output tensor = several `HubSlice`s side by side (what `torch.cat` / `torch.stack` of them builds in
+    transformers' save conversion): part i fills the box of its own shape that starts at `offsets[i]`.
+
+    >>> q = HubSlice("q_proj.weight", (0, 0), (64, 64), (0, 1))
+    >>> kv = HubSlice("k_proj.weight", (0, 0), (32, 64), (0, 1))
+    >>> HubParts((q, kv), ((0, 0), (64, 0)), (96, 64)).sources
+    ('q_proj.weight', 'k_proj.weight')
+    """
+
+    parts: tuple[HubSlice, ...]
+    offsets: tuple[tuple[int, ...], ...]
+    shape: tuple[int, ...]
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(part.source for part in self.parts)
+
+    def is_whole(self, source_shape: tuple[int, ...]) -> bool:
+        return False
+
+
+def sources_of(hub: HubSlice | HubParts) -> tuple[str, ...]:
+    """The saved tensors an output is read from, in the order its parts are placed."""
+    return hub.sources if isinstance(hub, HubParts) else (hub.source,)
+
+
 def needs_transformers(names) -> bool:
     """False when every name is already a known Hub decoder name: no need to import transformers."""
     return not all(any(regex.match(name) for regex, _ in _PATTERNS) for name in names)
 
 
-def hub_slices(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, HubSlice] | None:
-    """Output name -> HubSlice, in source order, as `save_pretrained` of the model would name and shape
+def hub_slices(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, HubSlice | HubParts] | None:
+    """Output name -> HubSlice (or HubParts), in source order, as `save_pretrained` of the model would name and shape
     them; None when transformers converts nothing for this model (names are already the Hub's).
     """
     if not needs_transformers(shapes):
@@ -63,14 +94,20 @@ def hub_slices(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, Hu
     from transformers.core_model_loading import revert_weight_conversion
 
     sources = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
-    with _ViewsOnly():
+    built: dict[int, tuple] = {}
+    with _ViewsOnly(built):
         reverted = revert_weight_conversion(model, dict(sources))
     if set(reverted) == set(sources) and all(reverted[n] is sources[n] for n in sources):
         return None
     by_id = {id(t): name for name, t in sources.items()}
-    slices = {name: _as_slice(name, tensor, by_id, sources) for name, tensor in reverted.items()}
+    slices = {name: _as_box(name, tensor, by_id, built) for name, tensor in reverted.items()}
     order = {name: i for i, name in enumerate(shapes)}
-    slices = dict(sorted(slices.items(), key=lambda item: (order[item[1].source], item[1].start)))
+
+    def first_saved(item):  # where an output's first part sits among the saved tensors
+        hub = item[1].parts[0] if isinstance(item[1], HubParts) else item[1]
+        return order[hub.source], hub.start
+
+    slices = dict(sorted(slices.items(), key=first_saved))
     _check_coverage(slices, shapes)
     return slices
 
@@ -129,17 +166,29 @@ def model_class_of(config: dict):
 
 
 class _ViewsOnly:
-    """A torch function mode in which `.contiguous()` returns its input, so slices stay views."""
+    """A torch function mode in which `.contiguous()` returns its input, so slices stay views, and every
+    `torch.cat` / `torch.stack` result is recorded in `built` (id -> (kind, dim, inputs, result)), so an output
+    joined from several tensors can be traced back to them."""
+
+    def __init__(self, built: dict | None = None):
+        self.built = {} if built is None else built
 
     def __enter__(self):
         import torch
         from torch.overrides import TorchFunctionMode
 
+        joins = {torch.cat: "cat", torch.concat: "cat", torch.concatenate: "cat", torch.stack: "stack"}
+        built = self.built
+
         class Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 if func is torch.Tensor.contiguous:
                     return args[0]
-                return func(*args, **(kwargs or {}))
+                result = func(*args, **(kwargs or {}))
+                if func in joins:
+                    inputs, dim = _join_arguments(args, kwargs or {})
+                    built[id(result)] = (joins[func], dim, inputs, result)  # the result kept: its id stays its own
+                return result
 
         self._mode = Mode()
         self._mode.__enter__()
@@ -149,12 +198,45 @@ class _ViewsOnly:
         return self._mode.__exit__(*exc)
 
 
-def _as_slice(name: str, tensor, by_id: dict[int, str], sources: dict) -> HubSlice:
+def _join_arguments(args: tuple, kwargs: dict) -> tuple[list, int]:
+    """(input tensors, dim) of a `torch.cat` / `torch.stack` call, however it was spelled."""
+    inputs = args[0] if args else kwargs.get("tensors")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
+    return list(inputs), dim
+
+
+def _as_box(name: str, tensor, by_id: dict[int, str], built: dict[int, tuple]) -> HubSlice | HubParts:
+    """Where output `name` comes from: one box of a saved tensor, or boxes of several saved tensors side by
+    side when the conversion joined them (`torch.cat` / `torch.stack`, recorded in `built`)."""
+    if id(tensor) not in built:
+        return _as_slice(name, tensor, by_id)
+    kind, dim, inputs, result = built[id(tensor)]
+    dim = dim % result.dim()
+    parts, offsets, along = [], [], 0
+    for item in inputs:
+        if kind == "cat" and item.dim() == 1 and item.shape[0] == 0 and result.dim() > 1:
+            continue  # torch.cat's legacy skip of empty 1-D inputs
+        box = _as_box(name, item, by_id, built)
+        inner_parts, inner_offsets = (box.parts, box.offsets) if isinstance(box, HubParts) else ((box,), ((0,) * item.dim(),))
+        for part, at in zip(inner_parts, inner_offsets):
+            if kind == "stack":  # a new output dim of size 1 for each input, at `dim`
+                part = HubSlice(part.source, part.start, part.stop, part.dims[:dim] + (None,) + part.dims[dim:])
+                at = at[:dim] + (along,) + at[dim:]
+            else:
+                at = at[:dim] + (at[dim] + along,) + at[dim + 1:]
+            parts.append(part)
+            offsets.append(at)
+        along += 1 if kind == "stack" else item.shape[dim]
+    return HubParts(tuple(parts), tuple(offsets), tuple(result.shape))
+
+
+def _as_slice(name: str, tensor, by_id: dict[int, str]) -> HubSlice:
     root = tensor if id(tensor) in by_id else tensor._base
     if root is None or id(root) not in by_id:
         raise CheckpointError(
-            f"transformers' save conversion builds {name} from several tensors; ckptflow writes only outputs "
-            "that are a slice of one saved tensor: load the model and save_pretrained it instead (see docs/hub_layout.md)"
+            f"transformers' save conversion computes {name} (reorders or combines elements: neither a slice of "
+            "one saved tensor nor slices joined side by side); ckptflow cannot stream it: load the model and "
+            "save_pretrained it instead (see docs/hub_layout.md)"
         )
     source = by_id[id(root)]
     shape = tuple(root.shape)
@@ -183,14 +265,15 @@ def _as_slice(name: str, tensor, by_id: dict[int, str], sources: dict) -> HubSli
     return HubSlice(source, tuple(start), tuple(stop), tuple(dims))
 
 
-def _check_coverage(slices: dict[str, HubSlice], shapes: dict[str, tuple[int, ...]]) -> None:
+def _check_coverage(slices: dict[str, HubSlice | HubParts], shapes: dict[str, tuple[int, ...]]) -> None:
     """Every saved element lands in exactly one output, so the round-trip check covers all of them."""
     volume = {name: 0 for name in shapes}
-    for s in slices.values():
-        n = 1
-        for a, b in zip(s.start, s.stop):
-            n *= b - a
-        volume[s.source] += n
+    for hub in slices.values():
+        for s in hub.parts if isinstance(hub, HubParts) else (hub,):
+            n = 1
+            for a, b in zip(s.start, s.stop):
+                n *= b - a
+            volume[s.source] += n
     for name, shape in shapes.items():
         total = 1
         for size in shape:
@@ -243,25 +326,44 @@ class HubLayoutSource(CheckpointSource):
 
     def _whole(self, name: str) -> bool:
         hub = self.slices[name]
-        return hub.is_whole(self.inner.tensors()[hub.source].shape)
+        return isinstance(hub, HubSlice) and hub.is_whole(self.inner.tensors()[hub.source].shape)
 
     def tensors(self):
         inner = self.inner.tensors()
-        return {name: TensorInfo(name, s.shape, inner[s.source].dtype, inner[s.source].layout)
+        first = {name: sources_of(s)[0] for name, s in self.slices.items()}  # joined parts share it (validate)
+        return {name: TensorInfo(name, s.shape, inner[first[name]].dtype, inner[first[name]].layout)
                 for name, s in self.slices.items()}
 
     def pieces(self, name: str):
         hub = self.slices[name]
+        if isinstance(hub, HubParts):
+            return self._joined_pieces(hub)
         return (p for piece in self.inner.pieces(hub.source) if (p := _piece_in_slice(piece, hub)))
+
+    def _joined_pieces(self, hub: HubParts):
+        """Each part's pieces, moved to where the part sits in the output: a row block reads each part's rows."""
+        for part, at in zip(hub.parts, hub.offsets):
+            for piece in self.inner.pieces(part.source):
+                if found := _piece_in_slice(piece, part):
+                    yield replace(found, offsets=tuple(o + a for o, a in zip(found.offsets, at)))
 
     def validate(self, check_replicas: bool = False) -> None:
         self.inner.validate(check_replicas)
         adapted = getattr(self.inner, "adapted", None)  # a fused LoRA view computes its values: not sliceable
+        inner = self.inner.tensors()
         for name, hub in self.slices.items():
-            if adapted and adapted(hub.source) and not self._whole(name):
+            for source in sources_of(hub):
+                if adapted and adapted(source) and not self._whole(name):
+                    raise CheckpointError(
+                        f"{self.location}: the LoRA adapter of {source} adapts a tensor the Hub layout splits or "
+                        f"joins into {name}; fusing it is not supported: pass --lora adapter"
+                    )
+            dtypes = {inner[source].dtype for source in sources_of(hub)}
+            if len(dtypes) > 1:
                 raise CheckpointError(
-                    f"{self.location}: the LoRA adapter of {hub.source} adapts a tensor the Hub layout splits "
-                    "(packed experts); fusing it is not supported: pass --lora adapter"
+                    f"{self.location}: {name} joins {', '.join(sources_of(hub))}, saved in different dtypes "
+                    f"({', '.join(sorted(dtypes))}); save_pretrained would promote them: load the model and "
+                    "save_pretrained it instead"
                 )
 
     def read(self, name: str, dtype: str | None = None):
@@ -279,12 +381,14 @@ class HubLayoutSource(CheckpointSource):
             return self.inner.check_round_trip(self.slices[name].source, merged)
         return super().check_round_trip(name, merged)
 
+    def _saved_names(self, names) -> list[str]:
+        return [source for n in names for source in (sources_of(self.slices[n]) if n in self.slices else (n,))]
+
     def prefetch(self, names) -> None:
-        self.inner.prefetch([self.slices[n].source if n in self.slices else n for n in names])
+        self.inner.prefetch(self._saved_names(names))
 
     def input_files(self, names=None) -> list:
-        return self.inner.input_files(None if names is None else [self.slices[n].source if n in self.slices else n
-                                                                  for n in names])
+        return self.inner.input_files(None if names is None else self._saved_names(names))
 
     def describe(self) -> dict:
         return self.inner.describe()
