@@ -53,8 +53,8 @@ class HubParts:
     transformers' save conversion): part i fills the box of its own shape that starts at `offsets[i]`.
 
     >>> q = HubSlice("q_proj.weight", (0, 0), (64, 64), (0, 1))
-    >>> kv = HubSlice("k_proj.weight", (0, 0), (32, 64), (0, 1))
-    >>> HubParts((q, kv), ((0, 0), (64, 0)), (96, 64)).sources
+    >>> k = HubSlice("k_proj.weight", (0, 0), (32, 64), (0, 1))
+    >>> HubParts((q, k), ((0, 0), (64, 0)), (96, 64)).sources
     ('q_proj.weight', 'k_proj.weight')
     """
 
@@ -73,6 +73,11 @@ class HubParts:
 def sources_of(hub: HubSlice | HubParts) -> tuple[str, ...]:
     """The saved tensors an output is read from, in the order its parts are placed."""
     return hub.sources if isinstance(hub, HubParts) else (hub.source,)
+
+
+def _first_source(hub: HubSlice | HubParts) -> str:
+    """The saved tensor whose dtype and layout an output reports (a joined output's parts share the dtype: validate)."""
+    return hub.source if isinstance(hub, HubSlice) else hub.parts[0].source
 
 
 def needs_transformers(names) -> bool:
@@ -330,8 +335,7 @@ class HubLayoutSource(CheckpointSource):
 
     def tensors(self):
         inner = self.inner.tensors()
-        first = {name: sources_of(s)[0] for name, s in self.slices.items()}  # joined parts share it (validate)
-        return {name: TensorInfo(name, s.shape, inner[first[name]].dtype, inner[first[name]].layout)
+        return {name: TensorInfo(name, s.shape, inner[_first_source(s)].dtype, inner[_first_source(s)].layout)
                 for name, s in self.slices.items()}
 
     def pieces(self, name: str):
