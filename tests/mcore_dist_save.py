@@ -8,13 +8,17 @@ Run as a script (megatron-core's writers spawn processes: needs the __main__ gua
         spec's kernels do not run on CPU) and OUT_DIR/huggingface/config.json. KIND (see KINDS): dense
         (Qwen2-like), tied (embeddings shared with the output layer), llama (no qkv bias), qwen3 (q/k
         norms, head_dim 32), moe (Qwen2-MoE-like).
-    python mcore_dist_save.py reshard SOURCE_DIR DIST_ROLE LEGACY_ROLE PORT TP PP VPP [KIND [stacked|per-layer]]
-        TP*PP gloo processes build the same model split TP/PP/VPP ways and load SOURCE_DIR/dist_ckpt through
-        megatron-core's own resharding load. Each rank then saves it twice, as training at that layout does:
-        DIST_ROLE/dist_ckpt (megatron-core's dist_checkpointing.save; per-layer keys as heterogeneous models
-        write them when asked) and LEGACY_ROLE/model/mp_rank_TT[_PPP]/model.pt (the list of its chunks' own
-        `state_dict()`, as verl's legacy checkpoint manager writes it). Without PP, rank 0 also writes
-        DIST_ROLE/logits.pt from the TP-parallel forward.
+    python mcore_dist_save.py reshard SOURCE_DIR DIST_ROLE LEGACY_ROLE PORT TP PP VPP [KIND [stacked|per-layer [EP ETP]]]
+        TP*PP*DP gloo processes (DP = EP*ETP/TP when that is more than 1) build the same model split
+        TP/PP/VPP (and EP/ETP: expert_model_parallel_size, expert_tensor_parallel_size) ways and load
+        SOURCE_DIR/dist_ckpt through megatron-core's own resharding load. Each rank then saves it twice, as
+        training at that layout does: DIST_ROLE/dist_ckpt (megatron-core's dist_checkpointing.save; per-layer
+        keys as heterogeneous models write them when asked) and LEGACY_ROLE/model/mp_rank_TT[_PPP][_EEE]/model.pt
+        (the list of its chunks' own `state_dict()`, as verl's legacy checkpoint manager writes it: only on
+        data-parallel rank 0, the expert-parallel rank appended when EP > 1). Without PP, rank 0 also writes
+        DIST_ROLE/logits.pt from the TP-parallel forward. With EP > 1 every rank also writes
+        DIST_ROLE/experts_rank_R.pt: its own local experts' weights keyed by the global expert index its
+        megatron-core MoE layer reports (`local_expert_indices`), the ground truth for expert placement.
 
 Fixture-only patches (docs/facts.md): CPU-only torch needs torch.cuda.synchronize / current_device stubs,
 and Tensor.cuda as the identity (tied embeddings under PP move their copy "to the GPU" before syncing it).
@@ -30,7 +34,7 @@ LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, PADDED_VOCAB = 4, 64, 4, 2, 128, 300,
 TOKENS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
 
 
-def _start(rank: int, world: int, port: str, tp: int = 1, pp: int = 1, vpp: int = 1):
+def _start(rank: int, world: int, port: str, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, etp: int | None = None):
     import torch
 
     torch.cuda.synchronize = lambda *a, **k: None
@@ -43,13 +47,14 @@ def _start(rank: int, world: int, port: str, tp: int = 1, pp: int = 1, vpp: int 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
 
 
 KINDS = ("dense", "tied", "moe", "llama", "qwen3")  # dense: Qwen2-like (GQA, qkv bias, SwiGLU)
 
 
-def _models(kind: str, tp: int = 1, pp: int = 1, vpp: int = 1) -> list:
+def _models(kind: str, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, etp: int | None = None) -> list:
     """This rank's model chunks (one per virtual stage)."""
     import torch
     import torch.nn.functional as F
@@ -67,7 +72,8 @@ def _models(kind: str, tp: int = 1, pp: int = 1, vpp: int = 1) -> list:
         gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, **extra)
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, **extra)
     spec = get_gpt_layer_local_spec(num_experts=extra.get("num_moe_experts"), normalization="RMSNorm",
                                     qk_layernorm=kind == "qwen3")
     chunks = []
@@ -138,14 +144,50 @@ def save(out: str, port: str, kind: str = "dense") -> None:
     dist.destroy_process_group()
 
 
+def _world(tp: int, pp: int, ep: int, etp: int) -> int:
+    """Ranks needed: the dense grid TP*PP*DP must hold the expert grid ETP*EP (times PP)."""
+    return tp * pp * max(1, ep * etp // tp)
+
+
+def _legacy_folder(legacy_role: str, pp: int, ep: int) -> str | None:
+    """verl's legacy manager: data-parallel rank 0 saves, into mp_rank_TT[_PPP] plus _EEE (the expert-parallel
+    rank) when EP > 1; other data-parallel ranks save nothing, whatever experts they hold (verl #2086)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_rank() != 0:
+        return None
+    name = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    if pp > 1:
+        name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+    if ep > 1:
+        name += f"_{parallel_state.get_expert_model_parallel_rank():03d}"
+    return os.path.join(legacy_role, "model", name)
+
+
+def _dump_local_experts(chunks: list, dist_role: str) -> None:
+    """This rank's experts as megatron-core's own MoE layers place them: {"L.E.fc1"/"L.E.fc2": weight}
+    with L the global layer index and E the global expert index of `local_expert_indices`."""
+    import torch
+
+    found = {}
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            mlp = layer.mlp
+            for local, expert in enumerate(mlp.experts.local_experts):
+                where = f"{layer.layer_number - 1}.{mlp.local_expert_indices[local]}"
+                found[f"{where}.fc1"] = expert.linear_fc1.weight.detach().clone()
+                found[f"{where}.fc2"] = expert.linear_fc2.weight.detach().clone()
+    torch.save(found, os.path.join(dist_role, f"experts_rank_{torch.distributed.get_rank()}.pt"))
+
+
 def _reshard_rank(rank: int, source: str, dist_role: str, legacy_role: str, port: str, tp: int, pp: int, vpp: int,
-                  kind: str, keys: str) -> None:
+                  kind: str, keys: str, ep: int = 1, etp: int | None = None) -> None:
     import torch
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import dist_checkpointing
 
-    _start(rank, tp * pp, port, tp, pp, vpp)
-    chunks = _models(kind, tp, pp, vpp)
+    _start(rank, _world(tp, pp, ep, etp or tp), port, tp, pp, vpp, ep, etp)
+    chunks = _models(kind, tp, pp, vpp, ep, etp)
     keyed = {f"model{v}" if vpp > 1 else "model": chunk for v, chunk in enumerate(chunks)}
     loaded = dist_checkpointing.load({k: c.sharded_state_dict() for k, c in keyed.items()},
                                      os.path.join(source, "dist_ckpt"))
@@ -155,26 +197,30 @@ def _reshard_rank(rank: int, source: str, dist_role: str, legacy_role: str, port
     metadata = {"non_homogeneous_layers": keys == "per-layer"}  # per-layer keys, as heterogeneous models save
     dist_checkpointing.save({k: c.sharded_state_dict(metadata=metadata) for k, c in keyed.items()},
                             os.path.join(dist_role, "dist_ckpt"))
-    # verl's legacy checkpoint manager: each rank saves its chunks' own state dicts, one list per rank
-    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
-    folder = os.path.join(legacy_role, "model", f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else ""))
-    os.makedirs(folder, exist_ok=True)
-    torch.save([chunk.state_dict() for chunk in chunks], os.path.join(folder, "model.pt"))
+    # verl's legacy checkpoint manager: each saving rank writes its chunks' own state dicts, one list per rank
+    folder = _legacy_folder(legacy_role, pp, ep)
+    if folder is not None:
+        os.makedirs(folder, exist_ok=True)
+        torch.save([chunk.state_dict() for chunk in chunks], os.path.join(folder, "model.pt"))
+    if ep > 1:
+        _dump_local_experts(chunks, dist_role)
     if pp == 1 and kind != "moe":
         _forward(chunks[0], dist_role)
     dist.destroy_process_group()
 
 
 def reshard(source: str, dist_role: str, legacy_role: str, port: str, tp: str, pp: str, vpp: str, kind: str = "dense",
-            keys: str = "stacked") -> None:
+            keys: str = "stacked", ep: str = "1", etp: str = "") -> None:
     import torch.multiprocessing as mp
 
-    tp, pp, vpp = int(tp), int(pp), int(vpp)
+    tp, pp, vpp, ep = int(tp), int(pp), int(vpp), int(ep)
+    etp = int(etp) if etp else None  # None: megatron-core's default, the TP size
     for role in (dist_role, legacy_role):
         shutil.copytree(os.path.join(source, "huggingface"), os.path.join(role, "huggingface"), dirs_exist_ok=True)
     os.makedirs(os.path.join(dist_role, "dist_ckpt"), exist_ok=True)
-    mp.spawn(_reshard_rank, args=(source, dist_role, legacy_role, port, tp, pp, vpp, kind, keys), nprocs=tp * pp,
-             join=True)
+    os.makedirs(os.path.join(legacy_role, "model"), exist_ok=True)
+    mp.spawn(_reshard_rank, args=(source, dist_role, legacy_role, port, tp, pp, vpp, kind, keys, ep, etp),
+             nprocs=_world(tp, pp, ep, etp or tp), join=True)
 
 
 if __name__ == "__main__":
