@@ -19,6 +19,9 @@ Run as a script (megatron-core's writers spawn processes: needs the __main__ gua
         DIST_ROLE/logits.pt from the TP-parallel forward. With EP > 1 every rank also writes
         DIST_ROLE/experts_rank_R.pt: its own local experts' weights keyed by the global expert index its
         megatron-core MoE layer reports (`local_expert_indices`), the ground truth for expert placement.
+    python mcore_dist_save.py reshard_many SOURCE_DIR OUT_ROOT PORT KIND NAME=TP,PP,VPP,EP,ETP...
+        As reshard, for several layouts of one world size in one spawn (stacked keys), into
+        OUT_ROOT/NAME/{dist,legacy}/global_step_7/actor.
 
 Fixture-only patches (docs/facts.md): CPU-only torch needs torch.cuda.synchronize / current_device stubs,
 and Tensor.cuda as the identity (tied embeddings under PP move their copy "to the GPU" before syncing it).
@@ -180,13 +183,31 @@ def _dump_local_experts(chunks: list, dist_role: str) -> None:
     torch.save(found, os.path.join(dist_role, f"experts_rank_{torch.distributed.get_rank()}.pt"))
 
 
-def _reshard_rank(rank: int, source: str, dist_role: str, legacy_role: str, port: str, tp: int, pp: int, vpp: int,
-                  kind: str, keys: str, ep: int = 1, etp: int | None = None) -> None:
+def _reshard_rank(rank: int, source: str, port: str, kind: str, keys: str, layouts: list[tuple]) -> None:
+    """Each of `layouts` ((tp, pp, vpp, ep, etp, dist_role, legacy_role), all of this world size) in turn,
+    in one process group: a spawn (megatron-core's import) costs more than a layout."""
+    from megatron.core import parallel_state
+
+    tp, pp, vpp, ep, etp, *_ = layouts[0]
+    _start(rank, _world(tp, pp, ep, etp or tp), port, tp, pp, vpp, ep, etp)
+    for i, layout in enumerate(layouts):
+        if i:
+            parallel_state.destroy_model_parallel()
+            tp, pp, vpp, ep, etp, *_ = layout
+            parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        _save_layout(source, kind, keys, *layout)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def _save_layout(source: str, kind: str, keys: str, tp: int, pp: int, vpp: int, ep: int, etp: int | None,
+                 dist_role: str, legacy_role: str) -> None:
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    _start(rank, _world(tp, pp, ep, etp or tp), port, tp, pp, vpp, ep, etp)
     chunks = _models(kind, tp, pp, vpp, ep, etp)
     keyed = {f"model{v}" if vpp > 1 else "model": chunk for v, chunk in enumerate(chunks)}
     loaded = dist_checkpointing.load({k: c.sharded_state_dict() for k, c in keyed.items()},
@@ -206,22 +227,39 @@ def _reshard_rank(rank: int, source: str, dist_role: str, legacy_role: str, port
         _dump_local_experts(chunks, dist_role)
     if pp == 1 and kind != "moe":
         _forward(chunks[0], dist_role)
-    dist.destroy_process_group()
+    dist.barrier()
+
+
+def _spawn(source: str, port: str, kind: str, keys: str, layouts: list[tuple]) -> None:
+    import torch.multiprocessing as mp
+
+    worlds = {_world(tp, pp, ep, etp or tp) for tp, pp, vpp, ep, etp, *_ in layouts}
+    assert len(worlds) == 1, f"layouts of one spawn need one world size, not {worlds}"
+    for *_, dist_role, legacy_role in layouts:
+        for role in (dist_role, legacy_role):
+            shutil.copytree(os.path.join(source, "huggingface"), os.path.join(role, "huggingface"), dirs_exist_ok=True)
+        os.makedirs(os.path.join(dist_role, "dist_ckpt"), exist_ok=True)
+        os.makedirs(os.path.join(legacy_role, "model"), exist_ok=True)
+    mp.spawn(_reshard_rank, args=(source, port, kind, keys, layouts), nprocs=worlds.pop(), join=True)
 
 
 def reshard(source: str, dist_role: str, legacy_role: str, port: str, tp: str, pp: str, vpp: str, kind: str = "dense",
             keys: str = "stacked", ep: str = "1", etp: str = "") -> None:
-    import torch.multiprocessing as mp
-
-    tp, pp, vpp, ep = int(tp), int(pp), int(vpp), int(ep)
     etp = int(etp) if etp else None  # None: megatron-core's default, the TP size
-    for role in (dist_role, legacy_role):
-        shutil.copytree(os.path.join(source, "huggingface"), os.path.join(role, "huggingface"), dirs_exist_ok=True)
-    os.makedirs(os.path.join(dist_role, "dist_ckpt"), exist_ok=True)
-    os.makedirs(os.path.join(legacy_role, "model"), exist_ok=True)
-    mp.spawn(_reshard_rank, args=(source, dist_role, legacy_role, port, tp, pp, vpp, kind, keys, ep, etp),
-             nprocs=_world(tp, pp, ep, etp or tp), join=True)
+    _spawn(source, port, kind, keys, [(int(tp), int(pp), int(vpp), int(ep), etp, dist_role, legacy_role)])
+
+
+def reshard_many(source: str, out_root: str, port: str, kind: str, *layouts: str) -> None:
+    """Layouts NAME=TP,PP,VPP,EP,ETP (ETP empty: the TP size), saved by one spawn into
+    OUT_ROOT/NAME/{dist,legacy}/global_step_7/actor."""
+    parsed = []
+    for layout in layouts:
+        name, sizes = layout.split("=")
+        tp, pp, vpp, ep, etp = sizes.split(",")
+        roles = [os.path.join(out_root, name, side, "global_step_7", "actor") for side in ("dist", "legacy")]
+        parsed.append((int(tp), int(pp), int(vpp), int(ep), int(etp) if etp else None, *roles))
+    _spawn(source, port, kind, "stacked", parsed)
 
 
 if __name__ == "__main__":
-    {"save": save, "reshard": reshard}[sys.argv[1]](*sys.argv[2:])
+    {"save": save, "reshard": reshard, "reshard_many": reshard_many}[sys.argv[1]](*sys.argv[2:])
