@@ -8,6 +8,8 @@ dicts (verl). Also read: a dict with `"model"` (a state dict or a list) or `"mod
 (Megatron-LM's own files). Layer indices restart at 0 in every chunk; chunk `v` of pipeline rank `p`
 comes at position `v * PP + p` in the model, so layer offsets are the layer counts of the chunks
 before it in that order (uneven stages included). Chunks already numbered globally are accepted too.
+With expert parallelism verl appends the expert-parallel rank (`mp_rank_TT[_PPP]_EEE`); each file numbers
+its experts from 0, so they are renumbered globally (`rank_folders`, `_expert_placements`).
 
 Names are mapped by the tables of `mergecore.families.megatron_maps`; values are merged by the transforms of
 `mergecore.families.transforms`, one Hugging Face tensor at a time (a layer's q_proj reads that layer's QKV
@@ -123,6 +125,8 @@ def rank_folders(names: Iterable[str], has_experts: Callable[[], bool]) -> dict[
     {'mp_rank_00_000': (0, 0, 0), 'mp_rank_01_001': (1, 0, 1)}
     >>> rank_folders(["mp_rank_00_000", "mp_rank_00_001"], lambda: True)  # PP 2
     {'mp_rank_00_000': (0, 0, None), 'mp_rank_00_001': (0, 1, None)}
+    >>> rank_folders(["mp_rank_01_001_003"], lambda: True)  # PP 2 and EP
+    {'mp_rank_01_001_003': (1, 1, 3)}
     """
     numbers = {name: tuple(int(g) for g in match.groups() if g is not None)
                for name in names if (match := MP_RANK_DIR.match(name))}
@@ -454,7 +458,7 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
         for p, v in self.chunk_order():
             present = sorted({self._expert_rank[(t, p)] for t in range(self.tp)})
             per_rank = self._local_expert_count(p, v, f"{self._shown(0, p)} (chunk {v})")
-            if per_rank * len(present) < experts:
+            if per_rank * len(present) < experts or present != list(range(len(present))):
                 raise CheckpointError(
                     f"{self.model_dir}: holds expert-parallel rank(s) {present} only ({per_rank} of {experts} experts "
                     f"per layer each, {self.hf_dir.join('config.json')}); verl's legacy Megatron checkpoint manager "
