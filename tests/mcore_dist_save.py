@@ -4,8 +4,7 @@ Run as a script (megatron-core's writers spawn processes: needs the __main__ gua
 
     python mcore_dist_save.py save OUT_DIR PORT [KIND]
         TP=1, one process. Writes OUT_DIR/dist_ckpt, OUT_DIR/params.pt (the model's own state dict, the
-        ground truth), OUT_DIR/logits.pt (Megatron's own forward on a fixed prompt; not for moe: the MoE
-        spec's kernels do not run on CPU) and OUT_DIR/huggingface/config.json. KIND (see KINDS): dense
+        ground truth), OUT_DIR/logits.pt (Megatron's own forward on a fixed prompt) and OUT_DIR/huggingface/config.json. KIND (see KINDS): dense
         (Qwen2-like), tied (embeddings shared with the output layer), llama (no qkv bias), qwen3 (q/k
         norms, head_dim 32), moe (Qwen2-MoE-like).
     python mcore_dist_save.py reshard SOURCE_DIR DIST_ROLE LEGACY_ROLE PORT TP PP VPP [KIND [stacked|per-layer [EP ETP]]]
@@ -16,7 +15,7 @@ Run as a script (megatron-core's writers spawn processes: needs the __main__ gua
         keys as heterogeneous models write them when asked) and LEGACY_ROLE/model/mp_rank_TT[_PPP][_EEE]/model.pt
         (the list of its chunks' own `state_dict()`, as verl's legacy checkpoint manager writes it: only on
         data-parallel rank 0, the expert-parallel rank appended when EP > 1). Without PP, rank 0 also writes
-        DIST_ROLE/logits.pt from the TP-parallel forward. With EP > 1 every rank also writes
+        DIST_ROLE/logits.pt from the TP- (and expert-) parallel forward. With EP > 1 every rank also writes
         DIST_ROLE/experts_rank_R.pt: its own local experts' weights keyed by the global expert index its
         megatron-core MoE layer reports (`local_expert_indices`), the ground truth for expert placement.
     python mcore_dist_save.py reshard_many SOURCE_DIR OUT_ROOT PORT KIND NAME=TP,PP,VPP,EP,ETP...
@@ -24,7 +23,9 @@ Run as a script (megatron-core's writers spawn processes: needs the __main__ gua
         OUT_ROOT/NAME/{dist,legacy}/global_step_7/actor.
 
 Fixture-only patches (docs/facts.md): CPU-only torch needs torch.cuda.synchronize / current_device stubs,
-and Tensor.cuda as the identity (tied embeddings under PP move their copy "to the GPU" before syncing it).
+and Tensor.cuda as the identity (tied embeddings under PP move their copy "to the GPU" before syncing it);
+the MoE router's gating needs `moe_utils.te_general_gemm` defined (None without TransformerEngine: 0.16.1
+leaves the name undefined and its CPU forward fails with NameError).
 """
 
 import json
@@ -48,8 +49,11 @@ def _start(rank: int, world: int, port: str, tp: int = 1, pp: int = 1, vpp: int 
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    import megatron.core.transformer.moe.moe_utils as moe_utils
     from megatron.core import parallel_state
 
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 defines it only when TransformerEngine imports
+        moe_utils.te_general_gemm = None
     parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                                              expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
 
@@ -120,7 +124,8 @@ def _hf_config(kind: str) -> dict:
         hf.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32, attention_bias=False)
     if kind == "moe":
         hf.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
-                  moe_intermediate_size=32, shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])
+                  moe_intermediate_size=32, shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
+                  norm_topk_prob=True)  # Megatron's router softmaxes the top-k logits only
     return hf
 
 
@@ -139,8 +144,7 @@ def save(out: str, port: str, kind: str = "dense") -> None:
     dist_checkpointing.save({"model": model.sharded_state_dict()}, os.path.join(out, "dist_ckpt"))
     params = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
     torch.save(params, os.path.join(out, "params.pt"))
-    if kind != "moe":
-        _forward(model, out)
+    _forward(model, out)
     os.makedirs(os.path.join(out, "huggingface"), exist_ok=True)
     with open(os.path.join(out, "huggingface", "config.json"), "w") as f:
         json.dump(_hf_config(kind), f)
@@ -225,7 +229,7 @@ def _save_layout(source: str, kind: str, keys: str, tp: int, pp: int, vpp: int, 
         torch.save([chunk.state_dict() for chunk in chunks], os.path.join(folder, "model.pt"))
     if ep > 1:
         _dump_local_experts(chunks, dist_role)
-    if pp == 1 and kind != "moe":
+    if pp == 1:
         _forward(chunks[0], dist_role)
     dist.barrier()
 

@@ -48,7 +48,7 @@ def _megatron(*args) -> None:
 
 
 def tp1_save(factory, kind: str) -> Path:
-    """The role folder of a TP=1 dist_ckpt save of `kind`, with params.pt (and logits.pt but for moe)."""
+    """The role folder of a TP=1 dist_ckpt save of `kind`, with params.pt and logits.pt."""
     key = ("tp1", kind)
     if key not in _made:
         out = factory.mktemp(f"mcore-{kind}") / f"global_step_{STEP}" / "actor"

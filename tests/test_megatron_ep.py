@@ -4,8 +4,8 @@ on CPU (gloo): dist_ckpt and verl's legacy rank folders.
 Two layouts of world size 2, written by one spawn (mcore_real.ep_saves): TP 2 with EP 2 and ETP 1 (every
 rank holds whole experts of its own expert rank) and TP 1 with EP 2 (data parallel 2). Expected values: the
 TP=1 save's own parameters (independent name table, mcore_real.hf_tensors), and each rank's own experts as
-its megatron-core MoE layer places them (`local_expert_indices`). No logits: the MoE spec's forward does
-not run on CPU (as for the EP=1 MoE tests).
+its megatron-core MoE layer places them (`local_expert_indices`); logits: megatron-core's own forward of the
+TP=1 model and of each expert-parallel layout (experts dispatched across the two ranks).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import json
 import pytest
 import torch
 
-from mcore_real import (EP_LAYOUTS, STEP, ep_role, hf_tensors, megatron_expert_placement, needs_megatron,
-                        tp1_save)
+from mcore_real import (EP_LAYOUTS, STEP, assert_logits_match, ep_role, hf_tensors, megatron_expert_placement,
+                        needs_megatron, tp1_save)
 from mergecore import CheckpointError, merge_checkpoint, open_checkpoint
 from mergecore.formats.megatron_dist import MegatronDistCheckpoint, load_dcp_metadata
 from mergecore.formats.megatron_legacy import MegatronLegacyCheckpoint
@@ -55,6 +55,8 @@ def test_dist_ckpt_with_expert_parallelism_merges_to_the_models_own_parameters(l
     assert len(placed) == 4 * 4 * 3  # layers x experts x (gate, up, down), from both ranks
     for name, tensor in placed.items():
         assert torch.equal(merged[name], tensor), name
+    assert_logits_match(tmp_path / "merged", base / "logits.pt")
+    assert_logits_match(tmp_path / "merged", role / "logits.pt")  # the expert-parallel forward itself
 
 
 def test_legacy_expert_parallel_folders_merge_to_the_models_own_parameters(tmp_path_factory, tmp_path):
@@ -73,6 +75,7 @@ def test_legacy_expert_parallel_folders_merge_to_the_models_own_parameters(tmp_p
                                        json.loads((base / "huggingface" / "config.json").read_text()))
     for name, tensor in placed.items():
         assert torch.equal(merged[name], tensor), name
+    assert_logits_match(tmp_path / "merged", base / "logits.pt")
 
 
 def test_legacy_save_missing_expert_ranks_is_refused(tmp_path_factory, tmp_path):
