@@ -4,10 +4,12 @@ Run as a script (megatron-core's writers spawn processes: needs the __main__ gua
 
     python mcore_dist_save.py save OUT_DIR PORT [KIND]
         TP=1, one process. Writes OUT_DIR/dist_ckpt, OUT_DIR/params.pt (the model's own state dict, the
-        ground truth), OUT_DIR/logits.pt (Megatron's own forward on a fixed prompt) and OUT_DIR/huggingface/config.json. KIND (see KINDS): dense
+        ground truth), OUT_DIR/logits.pt (Megatron's own forward on a fixed prompt) and
+        OUT_DIR/huggingface/config.json. KIND (see KINDS): dense
         (Qwen2-like), tied (embeddings shared with the output layer), llama (no qkv bias), qwen3 (q/k
         norms, head_dim 32), moe (Qwen2-MoE-like).
-    python mcore_dist_save.py reshard SOURCE_DIR DIST_ROLE LEGACY_ROLE PORT TP PP VPP [KIND [stacked|per-layer [EP ETP]]]
+    python mcore_dist_save.py reshard SOURCE_DIR DIST_ROLE LEGACY_ROLE PORT TP PP VPP
+            [KIND [stacked|per-layer [EP ETP]]]
         TP*PP*DP gloo processes (DP = EP*ETP/TP when that is more than 1) build the same model split
         TP/PP/VPP (and EP/ETP: expert_model_parallel_size, expert_tensor_parallel_size) ways and load
         SOURCE_DIR/dist_ckpt through megatron-core's own resharding load. Each rank then saves it twice, as
@@ -38,7 +40,8 @@ LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, PADDED_VOCAB = 4, 64, 4, 2, 128, 300,
 TOKENS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
 
 
-def _start(rank: int, world: int, port: str, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, etp: int | None = None):
+def _start(rank: int, world: int, port: str, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
+           etp: int | None = None):
     import torch
 
     torch.cuda.synchronize = lambda *a, **k: None
@@ -124,8 +127,8 @@ def _hf_config(kind: str) -> dict:
         hf.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32, attention_bias=False)
     if kind == "moe":
         hf.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
-                  moe_intermediate_size=32, shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
-                  norm_topk_prob=True)  # Megatron's router softmaxes the top-k logits only
+                  moe_intermediate_size=32, shared_expert_intermediate_size=64, decoder_sparse_step=1,
+                  mlp_only_layers=[], norm_topk_prob=True)  # Megatron's router softmaxes the top-k logits only
     return hf
 
 
@@ -198,8 +201,9 @@ def _reshard_rank(rank: int, source: str, port: str, kind: str, keys: str, layou
         if i:
             parallel_state.destroy_model_parallel()
             tp, pp, vpp, ep, etp, *_ = layout
-            parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-                                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+            parallel_state.initialize_model_parallel(
+                tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=etp)
         _save_layout(source, kind, keys, *layout)
     import torch.distributed as dist
 

@@ -180,7 +180,8 @@ def ep_saves(factory) -> Path:
     if key not in _made:
         base = tp1_save(factory, "moe")
         root = factory.mktemp("mcore-moe-ep")
-        layouts = [f"{name}={','.join('' if s is None else str(s) for s in sizes)}" for name, sizes in EP_LAYOUTS.items()]
+        layouts = [f"{name}={','.join('' if s is None else str(s) for s in sizes)}"
+                   for name, sizes in EP_LAYOUTS.items()]
         _megatron("reshard_many", base, root, _free_port(), "moe", *layouts)
         for name in EP_LAYOUTS:
             for side in ("dist", "legacy"):

@@ -436,7 +436,8 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
     def _local_expert_count(self, p: int, v: int, shown: str) -> int:
         """Experts per MoE layer in one rank's chunk (p, v): its local expert numbers are 0..count-1."""
         if (p, v) not in self._local_counts:
-            local = {m.indices[1] for key in self.chunks(0, p)[v] if is_expert_row(m := resolve(key, self._table, shown))}
+            mapped = [resolve(key, self._table, shown) for key in self.chunks(0, p)[v]]
+            local = {m.indices[1] for m in mapped if is_expert_row(m)}
             self._local_counts[(p, v)] = max(local) + 1
         return self._local_counts[(p, v)]
 
@@ -616,8 +617,8 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
             if piece.shape != first.shape or piece.dtype != first.dtype:
                 raise CheckpointError(
                     f"{self._shown(t, entry.pp)}: {entry.key} is {tuple(piece.shape)} {dtype_of(piece)} here but "
-                    f"{tuple(first.shape)} {dtype_of(first)} in {self._shown(first_rank, entry.pp)}; the rank files come from "
-                    "different saves or TP sizes: re-copy the checkpoint"
+                    f"{tuple(first.shape)} {dtype_of(first)} in {self._shown(first_rank, entry.pp)}; the rank files "
+                    "come from different saves or TP sizes: re-copy the checkpoint"
                 )
         if entry.transform.kind == "qkv":
             transform = entry.transform
@@ -648,7 +649,8 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
         for t in others:
             if not bitwise_equal(self._piece(t, entry), first):
                 raise CheckpointError(
-                    f"{self._shown(t, entry.pp)}: {entry.key} differs from its copy in {self._shown(first_rank, entry.pp)} "
+                    f"{self._shown(t, entry.pp)}: {entry.key} differs from its copy in "
+                    f"{self._shown(first_rank, entry.pp)} "
                     "(TP-replicated tensors must be equal); the rank files come from different saves: re-copy them"
                 )
 
