@@ -4,20 +4,30 @@ Run as a script (megatron-core's writers spawn processes: needs the __main__ gua
 
     python mcore_dist_save.py save OUT_DIR PORT [KIND]
         TP=1, one process. Writes OUT_DIR/dist_ckpt, OUT_DIR/params.pt (the model's own state dict, the
-        ground truth), OUT_DIR/logits.pt (Megatron's own forward on a fixed prompt; not for moe: the MoE
-        spec's kernels do not run on CPU) and OUT_DIR/huggingface/config.json. KIND (see KINDS): dense
+        ground truth), OUT_DIR/logits.pt (Megatron's own forward on a fixed prompt) and
+        OUT_DIR/huggingface/config.json. KIND (see KINDS): dense
         (Qwen2-like), tied (embeddings shared with the output layer), llama (no qkv bias), qwen3 (q/k
         norms, head_dim 32), moe (Qwen2-MoE-like).
-    python mcore_dist_save.py reshard SOURCE_DIR DIST_ROLE LEGACY_ROLE PORT TP PP VPP [KIND [stacked|per-layer]]
-        TP*PP gloo processes build the same model split TP/PP/VPP ways and load SOURCE_DIR/dist_ckpt through
-        megatron-core's own resharding load. Each rank then saves it twice, as training at that layout does:
-        DIST_ROLE/dist_ckpt (megatron-core's dist_checkpointing.save; per-layer keys as heterogeneous models
-        write them when asked) and LEGACY_ROLE/model/mp_rank_TT[_PPP]/model.pt (the list of its chunks' own
-        `state_dict()`, as verl's legacy checkpoint manager writes it). Without PP, rank 0 also writes
-        DIST_ROLE/logits.pt from the TP-parallel forward.
+    python mcore_dist_save.py reshard SOURCE_DIR DIST_ROLE LEGACY_ROLE PORT TP PP VPP
+            [KIND [stacked|per-layer [EP ETP]]]
+        TP*PP*DP gloo processes (DP = EP*ETP/TP when that is more than 1) build the same model split
+        TP/PP/VPP (and EP/ETP: expert_model_parallel_size, expert_tensor_parallel_size) ways and load
+        SOURCE_DIR/dist_ckpt through megatron-core's own resharding load. Each rank then saves it twice, as
+        training at that layout does: DIST_ROLE/dist_ckpt (megatron-core's dist_checkpointing.save; per-layer
+        keys as heterogeneous models write them when asked) and LEGACY_ROLE/model/mp_rank_TT[_PPP][_EEE]/model.pt
+        (the list of its chunks' own `state_dict()`, as verl's legacy checkpoint manager writes it: only on
+        data-parallel rank 0, the expert-parallel rank appended when EP > 1). Without PP, rank 0 also writes
+        DIST_ROLE/logits.pt from the TP- (and expert-) parallel forward. With EP > 1 every rank also writes
+        DIST_ROLE/experts_rank_R.pt: its own local experts' weights keyed by the global expert index its
+        megatron-core MoE layer reports (`local_expert_indices`), the ground truth for expert placement.
+    python mcore_dist_save.py reshard_many SOURCE_DIR OUT_ROOT PORT KIND NAME=TP,PP,VPP,EP,ETP...
+        As reshard, for several layouts of one world size in one spawn (stacked keys), into
+        OUT_ROOT/NAME/{dist,legacy}/global_step_7/actor.
 
 Fixture-only patches (docs/facts.md): CPU-only torch needs torch.cuda.synchronize / current_device stubs,
-and Tensor.cuda as the identity (tied embeddings under PP move their copy "to the GPU" before syncing it).
+and Tensor.cuda as the identity (tied embeddings under PP move their copy "to the GPU" before syncing it);
+the MoE router's gating needs `moe_utils.te_general_gemm` defined (None without TransformerEngine: 0.16.1
+leaves the name undefined and its CPU forward fails with NameError).
 """
 
 import json
@@ -30,7 +40,8 @@ LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, PADDED_VOCAB = 4, 64, 4, 2, 128, 300,
 TOKENS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
 
 
-def _start(rank: int, world: int, port: str, tp: int = 1, pp: int = 1, vpp: int = 1):
+def _start(rank: int, world: int, port: str, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
+           etp: int | None = None):
     import torch
 
     torch.cuda.synchronize = lambda *a, **k: None
@@ -41,15 +52,19 @@ def _start(rank: int, world: int, port: str, tp: int = 1, pp: int = 1, vpp: int 
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    import megatron.core.transformer.moe.moe_utils as moe_utils
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 defines it only when TransformerEngine imports
+        moe_utils.te_general_gemm = None
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
 
 
 KINDS = ("dense", "tied", "moe", "llama", "qwen3")  # dense: Qwen2-like (GQA, qkv bias, SwiGLU)
 
 
-def _models(kind: str, tp: int = 1, pp: int = 1, vpp: int = 1) -> list:
+def _models(kind: str, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, etp: int | None = None) -> list:
     """This rank's model chunks (one per virtual stage)."""
     import torch
     import torch.nn.functional as F
@@ -67,7 +82,8 @@ def _models(kind: str, tp: int = 1, pp: int = 1, vpp: int = 1) -> list:
         gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, **extra)
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, **extra)
     spec = get_gpt_layer_local_spec(num_experts=extra.get("num_moe_experts"), normalization="RMSNorm",
                                     qk_layernorm=kind == "qwen3")
     chunks = []
@@ -111,7 +127,8 @@ def _hf_config(kind: str) -> dict:
         hf.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32, attention_bias=False)
     if kind == "moe":
         hf.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
-                  moe_intermediate_size=32, shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])
+                  moe_intermediate_size=32, shared_expert_intermediate_size=64, decoder_sparse_step=1,
+                  mlp_only_layers=[], norm_topk_prob=True)  # Megatron's router softmaxes the top-k logits only
     return hf
 
 
@@ -130,22 +147,76 @@ def save(out: str, port: str, kind: str = "dense") -> None:
     dist_checkpointing.save({"model": model.sharded_state_dict()}, os.path.join(out, "dist_ckpt"))
     params = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
     torch.save(params, os.path.join(out, "params.pt"))
-    if kind != "moe":
-        _forward(model, out)
+    _forward(model, out)
     os.makedirs(os.path.join(out, "huggingface"), exist_ok=True)
     with open(os.path.join(out, "huggingface", "config.json"), "w") as f:
         json.dump(_hf_config(kind), f)
     dist.destroy_process_group()
 
 
-def _reshard_rank(rank: int, source: str, dist_role: str, legacy_role: str, port: str, tp: int, pp: int, vpp: int,
-                  kind: str, keys: str) -> None:
+def _world(tp: int, pp: int, ep: int, etp: int) -> int:
+    """Ranks needed: the dense grid TP*PP*DP must hold the expert grid ETP*EP (times PP)."""
+    return tp * pp * max(1, ep * etp // tp)
+
+
+def _legacy_folder(legacy_role: str, pp: int, ep: int) -> str | None:
+    """verl's legacy manager: data-parallel rank 0 saves, into mp_rank_TT[_PPP] plus _EEE (the expert-parallel
+    rank) when EP > 1; other data-parallel ranks save nothing, whatever experts they hold (verl #2086)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_rank() != 0:
+        return None
+    name = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    if pp > 1:
+        name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+    if ep > 1:
+        name += f"_{parallel_state.get_expert_model_parallel_rank():03d}"
+    return os.path.join(legacy_role, "model", name)
+
+
+def _dump_local_experts(chunks: list, dist_role: str) -> None:
+    """This rank's experts as megatron-core's own MoE layers place them: {"L.E.fc1"/"L.E.fc2": weight}
+    with L the global layer index and E the global expert index of `local_expert_indices`."""
+    import torch
+
+    found = {}
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            mlp = layer.mlp
+            for local, expert in enumerate(mlp.experts.local_experts):
+                where = f"{layer.layer_number - 1}.{mlp.local_expert_indices[local]}"
+                found[f"{where}.fc1"] = expert.linear_fc1.weight.detach().clone()
+                found[f"{where}.fc2"] = expert.linear_fc2.weight.detach().clone()
+    torch.save(found, os.path.join(dist_role, f"experts_rank_{torch.distributed.get_rank()}.pt"))
+
+
+def _reshard_rank(rank: int, source: str, port: str, kind: str, keys: str, layouts: list[tuple]) -> None:
+    """Each of `layouts` ((tp, pp, vpp, ep, etp, dist_role, legacy_role), all of this world size) in turn,
+    in one process group: a spawn (megatron-core's import) costs more than a layout."""
+    from megatron.core import parallel_state
+
+    tp, pp, vpp, ep, etp, *_ = layouts[0]
+    _start(rank, _world(tp, pp, ep, etp or tp), port, tp, pp, vpp, ep, etp)
+    for i, layout in enumerate(layouts):
+        if i:
+            parallel_state.destroy_model_parallel()
+            tp, pp, vpp, ep, etp, *_ = layout
+            parallel_state.initialize_model_parallel(
+                tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=etp)
+        _save_layout(source, kind, keys, *layout)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def _save_layout(source: str, kind: str, keys: str, tp: int, pp: int, vpp: int, ep: int, etp: int | None,
+                 dist_role: str, legacy_role: str) -> None:
     import torch
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import dist_checkpointing
 
-    _start(rank, tp * pp, port, tp, pp, vpp)
-    chunks = _models(kind, tp, pp, vpp)
+    chunks = _models(kind, tp, pp, vpp, ep, etp)
     keyed = {f"model{v}" if vpp > 1 else "model": chunk for v, chunk in enumerate(chunks)}
     loaded = dist_checkpointing.load({k: c.sharded_state_dict() for k, c in keyed.items()},
                                      os.path.join(source, "dist_ckpt"))
@@ -155,27 +226,48 @@ def _reshard_rank(rank: int, source: str, dist_role: str, legacy_role: str, port
     metadata = {"non_homogeneous_layers": keys == "per-layer"}  # per-layer keys, as heterogeneous models save
     dist_checkpointing.save({k: c.sharded_state_dict(metadata=metadata) for k, c in keyed.items()},
                             os.path.join(dist_role, "dist_ckpt"))
-    # verl's legacy checkpoint manager: each rank saves its chunks' own state dicts, one list per rank
-    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
-    folder = os.path.join(legacy_role, "model", f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else ""))
-    os.makedirs(folder, exist_ok=True)
-    torch.save([chunk.state_dict() for chunk in chunks], os.path.join(folder, "model.pt"))
-    if pp == 1 and kind != "moe":
+    # verl's legacy checkpoint manager: each saving rank writes its chunks' own state dicts, one list per rank
+    folder = _legacy_folder(legacy_role, pp, ep)
+    if folder is not None:
+        os.makedirs(folder, exist_ok=True)
+        torch.save([chunk.state_dict() for chunk in chunks], os.path.join(folder, "model.pt"))
+    if ep > 1:
+        _dump_local_experts(chunks, dist_role)
+    if pp == 1:
         _forward(chunks[0], dist_role)
-    dist.destroy_process_group()
+    dist.barrier()
+
+
+def _spawn(source: str, port: str, kind: str, keys: str, layouts: list[tuple]) -> None:
+    import torch.multiprocessing as mp
+
+    worlds = {_world(tp, pp, ep, etp or tp) for tp, pp, vpp, ep, etp, *_ in layouts}
+    assert len(worlds) == 1, f"layouts of one spawn need one world size, not {worlds}"
+    for *_, dist_role, legacy_role in layouts:
+        for role in (dist_role, legacy_role):
+            shutil.copytree(os.path.join(source, "huggingface"), os.path.join(role, "huggingface"), dirs_exist_ok=True)
+        os.makedirs(os.path.join(dist_role, "dist_ckpt"), exist_ok=True)
+        os.makedirs(os.path.join(legacy_role, "model"), exist_ok=True)
+    mp.spawn(_reshard_rank, args=(source, port, kind, keys, layouts), nprocs=worlds.pop(), join=True)
 
 
 def reshard(source: str, dist_role: str, legacy_role: str, port: str, tp: str, pp: str, vpp: str, kind: str = "dense",
-            keys: str = "stacked") -> None:
-    import torch.multiprocessing as mp
+            keys: str = "stacked", ep: str = "1", etp: str = "") -> None:
+    etp = int(etp) if etp else None  # None: megatron-core's default, the TP size
+    _spawn(source, port, kind, keys, [(int(tp), int(pp), int(vpp), int(ep), etp, dist_role, legacy_role)])
 
-    tp, pp, vpp = int(tp), int(pp), int(vpp)
-    for role in (dist_role, legacy_role):
-        shutil.copytree(os.path.join(source, "huggingface"), os.path.join(role, "huggingface"), dirs_exist_ok=True)
-    os.makedirs(os.path.join(dist_role, "dist_ckpt"), exist_ok=True)
-    mp.spawn(_reshard_rank, args=(source, dist_role, legacy_role, port, tp, pp, vpp, kind, keys), nprocs=tp * pp,
-             join=True)
+
+def reshard_many(source: str, out_root: str, port: str, kind: str, *layouts: str) -> None:
+    """Layouts NAME=TP,PP,VPP,EP,ETP (ETP empty: the TP size), saved by one spawn into
+    OUT_ROOT/NAME/{dist,legacy}/global_step_7/actor."""
+    parsed = []
+    for layout in layouts:
+        name, sizes = layout.split("=")
+        tp, pp, vpp, ep, etp = sizes.split(",")
+        roles = [os.path.join(out_root, name, side, "global_step_7", "actor") for side in ("dist", "legacy")]
+        parsed.append((int(tp), int(pp), int(vpp), int(ep), int(etp) if etp else None, *roles))
+    _spawn(source, port, kind, "stacked", parsed)
 
 
 if __name__ == "__main__":
-    {"save": save, "reshard": reshard}[sys.argv[1]](*sys.argv[2:])
+    {"save": save, "reshard": reshard, "reshard_many": reshard_many}[sys.argv[1]](*sys.argv[2:])

@@ -48,7 +48,7 @@ def _megatron(*args) -> None:
 
 
 def tp1_save(factory, kind: str) -> Path:
-    """The role folder of a TP=1 dist_ckpt save of `kind`, with params.pt (and logits.pt but for moe)."""
+    """The role folder of a TP=1 dist_ckpt save of `kind`, with params.pt and logits.pt."""
     key = ("tp1", kind)
     if key not in _made:
         out = factory.mktemp(f"mcore-{kind}") / f"global_step_{STEP}" / "actor"
@@ -162,3 +162,46 @@ def assert_logits_match(merged: Path, logits_file: Path) -> None:
 PARALLEL = [("dense", "tp2", "stacked"), ("dense", "tp2-pp2-vpp2", "stacked"),
             ("tied", "tp2-pp2", "stacked"), ("qwen3", "tp2", "per-layer"), ("moe", "tp2", "stacked")]
 PARALLEL_IDS = [f"{kind}-{layout}" + ("-per-layer" if keys == "per-layer" else "") for kind, layout, keys in PARALLEL]
+
+
+# ---- expert parallelism ----------------------------------------------------------------------------
+
+# name -> (tp, pp, vpp, ep, etp): the MoE model at expert_model_parallel_size 2, both of world size 2, written by
+# one spawn. tp2-ep2-etp1: experts whole on each rank (ETP 1), each TP rank its own expert rank, so verl's
+# legacy files (data-parallel rank 0 only) hold every expert. ep2: TP 1, data parallel 2 = expert parallel 2,
+# so the legacy files hold expert rank 0's experts only (verl #2086).
+EP_LAYOUTS = {"tp2-ep2-etp1": (2, 1, 1, 2, 1), "ep2": (1, 1, 1, 2, None)}
+
+
+def ep_saves(factory) -> Path:
+    """The root of the EP saves: NAME/{dist,legacy}/global_step_7/actor for each of EP_LAYOUTS (dist roles also
+    hold experts_rank_R.pt, megatron-core's own placement of each rank's experts)."""
+    key = ("ep",)
+    if key not in _made:
+        base = tp1_save(factory, "moe")
+        root = factory.mktemp("mcore-moe-ep")
+        layouts = [f"{name}={','.join('' if s is None else str(s) for s in sizes)}"
+                   for name, sizes in EP_LAYOUTS.items()]
+        _megatron("reshard_many", base, root, _free_port(), "moe", *layouts)
+        for name in EP_LAYOUTS:
+            for side in ("dist", "legacy"):
+                (root / name / side / "latest_checkpointed_iteration.txt").write_text(str(STEP))
+        _made[key] = root
+    return _made[key]
+
+
+def ep_role(factory, name: str, side: str) -> Path:
+    return ep_saves(factory) / name / side / f"global_step_{STEP}" / "actor"
+
+
+def megatron_expert_placement(dist_role: Path, config: dict) -> dict[str, torch.Tensor]:
+    """Every rank's own experts (experts_rank_R.pt, keyed by megatron-core's global expert index), as the Hugging
+    Face tensors they must become (gate/up rows of fc1 split in half, as `_layer_tensors` does)."""
+    found = {}
+    for dump in sorted(dist_role.glob("experts_rank_*.pt")):
+        for key, value in torch.load(dump, weights_only=True).items():
+            layer, expert, which = key.split(".")
+            suffix = f"mlp.experts.local_experts.{expert}.linear_{which}.weight"
+            for name, tensor in _layer_tensors(suffix, value, config).items():
+                found[f"model.layers.{layer}.{name}"] = tensor
+    return found

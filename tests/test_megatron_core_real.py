@@ -5,7 +5,7 @@ loaded through megatron-core's resharding load and saved again by TP*PP processe
 TP=2×PP=2×VPP=2 (stacked layer keys), tied embeddings at TP=2×PP=2, Qwen3 with per-layer keys and MoE at TP=2;
 the old (`actor/dist_ckpt`) and verl 0.9.1 (`actor/model/dist_ckpt`) folder layouts. The merged
 Hugging Face model must equal the TP=1 model's own parameters exactly (mapped by the independent table
-in mcore_real.py) and give Megatron's own logits.
+in mcore_real.py) and give Megatron's own logits (MoE included). Expert parallelism: test_megatron_ep.py.
 """
 
 from __future__ import annotations
@@ -50,8 +50,7 @@ def test_tp1_save_merges_to_the_models_own_parameters(kind, tmp_path_factory, tm
         merged = load_folder(tmp_path / "merged")
         assert "model.layers.0.mlp.experts.0.gate_proj.weight" in merged
         assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in merged)
-    if kind != "moe":  # Megatron's own forward runs on CPU for the local dense spec (not MoE: its kernels)
-        assert_logits_match(tmp_path / "merged", role / "logits.pt")
+    assert_logits_match(tmp_path / "merged", role / "logits.pt")  # MoE too: Megatron's router, experts, shared expert
 
 
 def test_verl091_folder_layout(tmp_path_factory, tmp_path):
@@ -68,8 +67,7 @@ def test_parallel_saves_merge_to_the_same_model(kind, layout, keys, tmp_path_fac
     role, _ = parallel_save(tmp_path_factory, kind, layout, keys)
     assert len(list((role / "dist_ckpt").glob("*.distcp"))) >= 2  # every rank wrote its pieces
     merge_and_compare(role, hf_tensors(base), tmp_path / "merged", stacked=keys == "stacked")
-    if kind != "moe":
-        assert_logits_match(tmp_path / "merged", base / "logits.pt")
+    assert_logits_match(tmp_path / "merged", base / "logits.pt")
     if (role / "logits.pt").exists():  # without PP: the TP-parallel forward of the saved layout itself
         assert_logits_match(tmp_path / "merged", role / "logits.pt")
 

@@ -153,10 +153,10 @@ def test_real_megatron_save_merges_to_the_models_own_parameters(kind, layout, ke
     assert check["ok"] and check["pieces"] == tp * check["tensors"]
     if kind == "tied":  # PP > 1: the last stage's copy of the embedding is read, checked, not written
         assert manifest["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
-    if kind != "moe":  # Megatron's own forward: the TP=1 model that was saved, and the TP=2 one without PP
-        assert_logits_match(tmp_path / "out", base / "logits.pt")
-        if pp == 1:
-            assert_logits_match(tmp_path / "out", dist_role / "logits.pt")
+    # Megatron's own forward: the TP=1 model that was saved, and the TP=2 one without PP
+    assert_logits_match(tmp_path / "out", base / "logits.pt")
+    if pp == 1:
+        assert_logits_match(tmp_path / "out", dist_role / "logits.pt")
 
 
 @needs_megatron

@@ -8,6 +8,8 @@ dicts (verl). Also read: a dict with `"model"` (a state dict or a list) or `"mod
 (Megatron-LM's own files). Layer indices restart at 0 in every chunk; chunk `v` of pipeline rank `p`
 comes at position `v * PP + p` in the model, so layer offsets are the layer counts of the chunks
 before it in that order (uneven stages included). Chunks already numbered globally are accepted too.
+With expert parallelism verl appends the expert-parallel rank (`mp_rank_TT[_PPP]_EEE`); each file numbers
+its experts from 0, so they are renumbered globally (`rank_folders`, `_expert_placements`).
 
 Names are mapped by the tables of `mergecore.families.megatron_maps`; values are merged by the transforms of
 `mergecore.families.transforms`, one Hugging Face tensor at a time (a layer's q_proj reads that layer's QKV
@@ -17,15 +19,18 @@ merged output and compares it with every saved piece, bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
-from collections.abc import Iterable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
 from ..errors import CheckpointError
+from ..families.layout import dimensions
 from ..families.megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
 from ..storage import Location, RangeFile, fetch_ranges
 from ..numbers.arrays import bitwise_equal, dtype_of
@@ -105,6 +110,43 @@ def _arrays(obj) -> Iterator[np.ndarray]:
                          else item)
 
 
+# ---- expert parallelism (EP > 1) ---------------------------------------------------------------
+
+def rank_folders(names: Iterable[str], has_experts: Callable[[], bool]) -> dict[str, tuple[int, int, int | None]]:
+    """mp_rank folder name -> (TP rank, PP rank, expert-parallel rank or None).
+
+    verl's legacy manager names a folder `mp_rank_TT`, appends `_PPP` when PP > 1 and then `_EEE` (the
+    expert-parallel rank) when EP > 1; only data-parallel rank 0 saves, so each TP x PP rank has one folder.
+    Three numbers end with the expert rank. Two are ambiguous: the second is an expert rank when the model
+    has experts (`has_experts`, asked only then) and every TP rank has exactly one folder, since a PP > 1 save
+    has a folder per stage for every TP rank and a PP = 1 save without EP has no suffix at all.
+
+    >>> rank_folders(["mp_rank_00_000", "mp_rank_01_001"], lambda: True)  # TP 2, EP 2, ETP 1
+    {'mp_rank_00_000': (0, 0, 0), 'mp_rank_01_001': (1, 0, 1)}
+    >>> rank_folders(["mp_rank_00_000", "mp_rank_00_001"], lambda: True)  # PP 2
+    {'mp_rank_00_000': (0, 0, None), 'mp_rank_00_001': (0, 1, None)}
+    >>> rank_folders(["mp_rank_01_001_003"], lambda: True)  # PP 2 and EP
+    {'mp_rank_01_001_003': (1, 1, 3)}
+    """
+    numbers = {name: tuple(int(g) for g in match.groups() if g is not None)
+               for name in names if (match := MP_RANK_DIR.match(name))}
+    per_tp = Counter(n[0] for n in numbers.values())
+    two_are_ep = (numbers and all(len(n) == 2 for n in numbers.values()) and set(per_tp.values()) == {1}
+                  and has_experts())
+    folders = {}
+    for name, n in numbers.items():
+        if len(n) == 3 or (len(n) == 2 and two_are_ep):
+            folders[name] = (n[0], n[1] if len(n) == 3 else 0, n[-1])
+        else:
+            folders[name] = (n[0], n[1] if len(n) > 1 else 0, None)
+    return folders
+
+
+def is_expert_row(mapped: Mapped) -> bool:
+    """A routed expert's weight (`...mlp.experts.local_experts.{E}...`): numbered per expert-parallel rank."""
+    return mapped.is_layer and ".mlp.experts." in mapped.pattern and len(mapped.indices) == 2
+
+
 # ---- the index: HF name -> where its pieces are ------------------------------------------------
 
 @dataclass(frozen=True)
@@ -118,6 +160,7 @@ class Entry:
     part: str
     transform: Transform
     mapped: Mapped
+    ranks: tuple[int, ...] = ()  # the TP ranks holding it (one expert-parallel rank's experts); () = all
 
 
 class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
@@ -135,6 +178,7 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
         self.hf_dir = hf_dir
         self.step = step
         self.custom_mapping = Location.of(custom_mapping).url if custom_mapping else None  # absolute: kept in manifests
+        self._expert_rank: dict[tuple[int, int], int] = {}  # (tp, pp) -> expert-parallel rank, when EP > 1
         self.tp, self.pp, self._rank_dirs = self._find_ranks()
         self._states: dict[tuple[int, int], list[dict]] = {}
         self._lock = threading.Lock()
@@ -144,17 +188,19 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
     def _find_ranks(self) -> tuple[int, int, dict[tuple[int, int], str]]:
         found: dict[tuple[int, int], str] = {}
         with_pp = set()
-        for name in self.model_dir.listdir():
-            match = MP_RANK_DIR.match(name)
-            if not match:
-                continue
-            if match[3] is not None:
+        folders = rank_folders(self.model_dir.listdir(), lambda: bool(dimensions(self.config).get("num_experts")))
+        for name, (t, p, e) in sorted(folders.items()):
+            if (t, p) in found:
                 raise CheckpointError(
-                    f"{self.model_dir.join(name)}: expert-parallel legacy checkpoints (mp_rank_TT_PPP_EEE) are not "
-                    "supported yet; save with expert_model_parallel_size=1 or use a dist_ckpt save"
+                    f"{self.model_dir.join(name)}: a second expert-parallel rank for TP rank {t}, PP rank {p} (besides "
+                    f"{found[(t, p)]}); ckptflow reads verl's legacy layout, one folder per TP x PP rank: merge a "
+                    "dist_ckpt save of this model instead"
                 )
-            with_pp.add(match[2] is not None)
-            found[(int(match[1]), int(match[2] or 0))] = name
+            numbers = len(name.split("_")) - 2
+            with_pp.add(numbers == 3 or (numbers == 2 and e is None))  # the name carries a PP rank
+            found[(t, p)] = name
+            if e is not None:
+                self._expert_rank[(t, p)] = e
         if not found:
             raise CheckpointError(
                 f"{self.model_dir}: no mp_rank_TT[_PPP] folders; point --local_dir at the actor/critic folder of a "
@@ -170,7 +216,8 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
         for p in range(pp):
             for t in range(tp):
                 if (t, p) not in found:
-                    missing = f"mp_rank_{t:02d}" + (f"_{p:03d}" if True in with_pp else "")
+                    missing = f"mp_rank_{t:02d}" + (f"_{p:03d}" if True in with_pp else "") + (
+                        "_EEE" if self._expert_rank else "")
                     raise CheckpointError(
                         f"{self.model_dir.join(missing)}: missing (TP={tp}, PP={pp} needs every mp_rank folder); the "
                         "save was incomplete: copy every mp_rank_* folder of the checkpoint"
@@ -226,7 +273,7 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
             return
         spans: dict[RangeFile, list[tuple[int, int]]] = {}
         for entry in entries:
-            for t in range(self.tp):
+            for t in self._ranks(entry):
                 span = member_span(self._piece(t, entry))
                 if span:
                     spans.setdefault(self._range_files[self._shown(t, entry.pp)], []).append(span)
@@ -242,7 +289,7 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
         self._fetch(self._entries[name] for name in names)
 
     def _saved_arrays(self, names: list[str]):
-        return [self._piece(t, self._entries[name]) for name in names for t in range(self.tp)]
+        return [self._piece(t, self._entries[name]) for name in names for t in self._ranks(self._entries[name])]
 
     @cached_property
     def config(self) -> dict:
@@ -320,13 +367,14 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
             offset += count
         return shifts
 
-    def _make_transform(self, mapped: Mapped, piece: np.ndarray) -> Transform:
+    def _make_transform(self, mapped: Mapped, piece: np.ndarray, tp: int) -> Transform:
+        """How the `tp` ranks holding `mapped` split it (TP size, or the ranks sharing one expert-parallel rank)."""
         kind = mapped.kind
         try:
             if kind == "vocab":
                 return VocabParallel(int(self.config["vocab_size"]), padded_size=piece.shape[0] * self.tp)
             moe = self.config.get("moe_intermediate_size")
-            if self.tp > 1 and ".mlp.experts." in mapped.pattern and isinstance(moe, int) and kind in ("gated", "row"):
+            if tp > 1 and ".mlp.experts." in mapped.pattern and isinstance(moe, int) and kind in ("gated", "row"):
                 # expert_tensor_parallel_size=1: every TP rank holds whole experts
                 if kind == "gated" and piece.shape[0] == 2 * moe:
                     return ReplicatedGatedMLP()
@@ -346,22 +394,78 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
                 indices = mapped.indices
                 if mapped.is_layer:
                     indices = (indices[0] + self._layer_shifts[(p, v)], *indices[1:])
-                transform = self._make_transform(mapped, value)
-                names = mapped.hf_names(indices)
-                if len(names) != len(transform.parts):
-                    raise CheckpointError(
-                        f"{shown}: {key} maps to {len(names)} Hugging Face names but a {mapped.kind} tensor holds "
-                        f"{len(transform.parts)} ({', '.join(transform.parts)}); fix the mapping"
-                    )
-                for part, name in zip(transform.parts, names):
-                    if name in entries:
-                        other = entries[name]
-                        raise CheckpointError(
-                            f"{shown}: {key} and {other.key} (in {self._shown(0, other.pp)} chunk {other.vpp}) both "
-                            f"give {name}; the checkpoint holds a parameter twice: remove one or fix the mapping"
-                        )
-                    entries[name] = Entry(name, p, v, key, part, transform, mapped)
+                placements = [(indices, ())]
+                if self._expert_rank and is_expert_row(mapped):
+                    placements = self._expert_placements(p, v, indices, shown)
+                for where, ranks in placements:
+                    transform = self._make_transform(mapped, value, len(ranks) or self.tp)
+                    self._add_entries(entries, Entry("", p, v, key, "", transform, mapped, ranks), where, shown)
         return entries
+
+    def _add_entries(self, entries: dict[str, Entry], template: Entry, indices: tuple[int, ...], shown: str) -> None:
+        """One entry per part of `template`'s Megatron key, named with `indices` (global layer, expert)."""
+        mapped, transform = template.mapped, template.transform
+        names = mapped.hf_names(indices)
+        if len(names) != len(transform.parts):
+            raise CheckpointError(
+                f"{shown}: {template.key} maps to {len(names)} Hugging Face names but a {mapped.kind} tensor holds "
+                f"{len(transform.parts)} ({', '.join(transform.parts)}); fix the mapping"
+            )
+        for part, name in zip(transform.parts, names):
+            if name in entries:
+                other = entries[name]
+                raise CheckpointError(
+                    f"{shown}: {template.key} and {other.key} (in {self._shown(0, other.pp)} chunk {other.vpp}) both "
+                    f"give {name}; the checkpoint holds a parameter twice: remove one or fix the mapping"
+                )
+            entries[name] = dataclasses.replace(template, name=name, part=part)
+
+    # ---- expert parallelism --------------------------------------------------------------------
+
+    def _expert_placements(self, p: int, v: int, indices: tuple[int, int], shown: str):
+        """[((layer, global expert), TP ranks holding it)] for local expert `indices[1]` of chunk (p, v), one per
+        expert-parallel rank E at stage p. Each rank numbers its experts from 0, so local expert L of rank E is
+        global expert E * (experts per rank) + L, as megatron-core's `local_expert_indices`; the TP ranks that
+        share E hold that expert's expert-tensor-parallel shards, in TP order (one rank when ETP = 1)."""
+        per_rank = self._local_expert_count(p, v, shown)
+        groups: dict[int, list[int]] = {}
+        for t in range(self.tp):
+            groups.setdefault(self._expert_rank[(t, p)], []).append(t)
+        return [((indices[0], e * per_rank + indices[1]), tuple(ranks)) for e, ranks in sorted(groups.items())]
+
+    def _local_expert_count(self, p: int, v: int, shown: str) -> int:
+        """Experts per MoE layer in one rank's chunk (p, v): its local expert numbers are 0..count-1."""
+        if (p, v) not in self._local_counts:
+            mapped = [resolve(key, self._table, shown) for key in self.chunks(0, p)[v]]
+            local = {m.indices[1] for m in mapped if is_expert_row(m)}
+            self._local_counts[(p, v)] = max(local) + 1
+        return self._local_counts[(p, v)]
+
+    @cached_property
+    def _local_counts(self) -> dict[tuple[int, int], int]:
+        return {}
+
+    def _ranks(self, entry: Entry) -> tuple[int, ...]:
+        """The TP ranks whose files hold `entry`: every TP rank, or the ranks of its expert-parallel rank."""
+        return entry.ranks or tuple(range(self.tp))
+
+    def _check_expert_ranks(self) -> None:
+        """With EP > 1 every expert-parallel rank must have a folder. verl's legacy manager saves on data-parallel
+        rank 0 only, so when EP ranks fall on other data-parallel ranks their experts were never written
+        (verl issue #2086): say so, rather than merge a model with experts missing."""
+        experts = dimensions(self.config).get("num_experts")
+        if not self._expert_rank or not experts:
+            return
+        for p, v in self.chunk_order():
+            present = sorted({self._expert_rank[(t, p)] for t in range(self.tp)})
+            per_rank = self._local_expert_count(p, v, f"{self._shown(0, p)} (chunk {v})")
+            if per_rank * len(present) < experts or present != list(range(len(present))):
+                raise CheckpointError(
+                    f"{self.model_dir}: holds expert-parallel rank(s) {present} only ({per_rank} of {experts} experts "
+                    f"per layer each, {self.hf_dir.join('config.json')}); verl's legacy Megatron checkpoint manager "
+                    "saves on data-parallel rank 0 only, so the other expert ranks' experts were never written (verl "
+                    "issue #2086): they cannot be recovered from this checkpoint; save with dist_ckpt and merge that"
+                )
 
     # ---- the seam ------------------------------------------------------------------------------
 
@@ -378,12 +482,15 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
     def _infos(self) -> dict[str, TensorInfo]:
         infos = {}
         for name, entry in self._entries.items():
-            piece = self._piece(0, entry)
+            ranks = self._ranks(entry)
+            piece = self._piece(ranks[0], entry)
             try:
-                shape = entry.transform.global_shape(tuple(piece.shape), self.tp, entry.part)
+                shape = entry.transform.global_shape(tuple(piece.shape), len(ranks), entry.part)
             except (ValueError, RuntimeError) as err:
-                raise CheckpointError(f"{self._shown(0, entry.pp)}: {entry.key}: {err}") from None
-            layout = f"{entry.transform!r} over TP {self.tp}: {entry.key}"
+                raise CheckpointError(f"{self._shown(ranks[0], entry.pp)}: {entry.key}: {err}") from None
+            layout = f"{entry.transform!r} over TP {len(ranks)}: {entry.key}"
+            if entry.ranks:
+                layout += f" of {self._rank_dirs[(ranks[0], entry.pp)]} (expert-parallel rank)"
             infos[name] = TensorInfo(name, shape, dtype_of(piece), layout)
         return infos
 
@@ -396,7 +503,7 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
         (`pieces` are those placements). Over q, k and v (gate and up) every saved element of a fused
         tensor is compared once. Returns the number of TP ranks compared."""
         super().check_round_trip(name, merged)
-        return self.tp
+        return len(self._ranks(self._entries[name]))
 
     def pieces(self, name: str) -> Iterator[Piece]:
         """Each TP rank's slice of `name`, placed in the Hugging Face tensor (vocab padding cut off); a fused
@@ -407,14 +514,15 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
         self._ready_for(name)
         position = 0
         what = f" ({entry.part} part)" if entry.part else ""
-        for t in range(self.tp):
+        ranks = self._ranks(entry)
+        for i, t in enumerate(ranks):
             shown = f"{self._shown(t, entry.pp)}: {entry.key}{what} in model chunk {entry.vpp}"
             if transform.replicated:
                 piece = transform.extract(self._piece(t, entry), entry.part)
-                yield Piece(shown, (0,) * piece.ndim, tuple(piece.shape), piece, primary=t == 0)
+                yield Piece(shown, (0,) * piece.ndim, tuple(piece.shape), piece, primary=i == 0)
                 continue
             for view in transform.extract_views(self._piece(t, entry), entry.part):
-                piece = transform.trim(view, t, self.tp)
+                piece = transform.trim(view, i, len(ranks))
                 offsets = [0] * piece.ndim
                 offsets[transform.dim] = position
                 position += piece.shape[transform.dim]
@@ -447,6 +555,7 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
         for name, entry in entries.items():
             self._check_shapes(entry)
         self._check_vocab(entries)
+        self._check_expert_ranks()
         replicated = [entry for entry in entries.values() if entry.transform.replicated]
         self._make_ready([entry.name for entry in replicated])  # compared below: downloaded and CRC-checked
         for entry in replicated:
@@ -501,14 +610,15 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
             return
 
     def _check_shapes(self, entry: Entry) -> None:
-        first = self._piece(0, entry)
-        for t in range(1, self.tp):
+        first_rank, *others = self._ranks(entry)
+        first = self._piece(first_rank, entry)
+        for t in others:
             piece = self._piece(t, entry)
             if piece.shape != first.shape or piece.dtype != first.dtype:
                 raise CheckpointError(
                     f"{self._shown(t, entry.pp)}: {entry.key} is {tuple(piece.shape)} {dtype_of(piece)} here but "
-                    f"{tuple(first.shape)} {dtype_of(first)} in {self._shown(0, entry.pp)}; the rank files come from "
-                    "different saves or TP sizes: re-copy the checkpoint"
+                    f"{tuple(first.shape)} {dtype_of(first)} in {self._shown(first_rank, entry.pp)}; the rank files "
+                    "come from different saves or TP sizes: re-copy the checkpoint"
                 )
         if entry.transform.kind == "qkv":
             transform = entry.transform
@@ -534,11 +644,13 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
                     )
 
     def _check_replicated(self, entry: Entry) -> None:
-        first = self._piece(0, entry)
-        for t in range(1, self.tp):
+        first_rank, *others = self._ranks(entry)
+        first = self._piece(first_rank, entry)
+        for t in others:
             if not bitwise_equal(self._piece(t, entry), first):
                 raise CheckpointError(
-                    f"{self._shown(t, entry.pp)}: {entry.key} differs from its copy in {self._shown(0, entry.pp)} "
+                    f"{self._shown(t, entry.pp)}: {entry.key} differs from its copy in "
+                    f"{self._shown(first_rank, entry.pp)} "
                     "(TP-replicated tensors must be equal); the rank files come from different saves: re-copy them"
                 )
 
@@ -553,6 +665,7 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
             "pp": self.pp,
             "vpp": self.vpp,
             "layers_per_chunk": [self.layers_per_chunk[c] for c in self.chunk_order()],
+            "expert_ranks": {self._rank_dirs[k]: e for k, e in sorted(self._expert_rank.items())} or None,
             "files": [f"model/{self._rank_dirs[(t, p)]}/{MODEL_FILE}" for p in range(self.pp) for t in range(self.tp)],
             "custom_mapping": self.custom_mapping,
         }
