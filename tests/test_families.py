@@ -131,3 +131,22 @@ def test_gemma4_buffers_are_written_once_as_save_pretrained_writes_them(families
         assert torch.equal(copies[0], copies[1]) and copies[0].shape == reference[name].shape, name  # whole copies
         assert torch.equal(weights[name], reference[name]) and weights[name].shape == reference[name].shape, name
     assert not any("inv_freq" in n for n in weights) and not any("inv_freq" in n for n in ranks[0])
+
+
+def test_buffer_copies_that_differ_across_ranks_are_refused(families, cli, tmp_path):
+    """A buffer the ranks did not keep in sync: one line naming the rank file and the fix, exit 2, nothing written
+    (it used to pass the checks and fail verification as "the merge is wrong, please report this")."""
+    import shutil
+
+    import torch.distributed.tensor  # noqa: F401  (unpickles the DTensors of the rank file)
+
+    from helpers import assert_refused
+
+    role = tmp_path / "actor"
+    shutil.copytree(families["gemma4"].role_dir, role)
+    rank1 = role / "model_world_size_2_rank_1.pt"
+    state = torch.load(rank1, map_location="cpu", weights_only=True)
+    state["model.language_model.layers.1.layer_scalar"] = state["model.language_model.layers.1.layer_scalar"] + 1
+    torch.save(state, rank1)
+    result = cli("merge", "--local_dir", role, "--target_dir", tmp_path / "out")
+    assert_refused(result, tmp_path / "out", "model_world_size_2_rank_1.pt", "layers.1.layer_scalar", "diverged")
