@@ -22,6 +22,7 @@ FAMILY_CLASSES = {
     "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration"),
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
@@ -69,7 +70,11 @@ def add_noise(model, seed: int) -> None:
     with torch.no_grad():
         for name in sorted(tensors):
             tensor = tensors[name]
-            if not tensor.is_floating_point():
+            if not tensor.numel():
+                continue
+            if not tensor.is_floating_point():  # DeepSeek-V4's hash routing table: other experts, same range
+                low, high = int(tensor.min()), int(tensor.max())
+                tensor.copy_(torch.randint(low, high + 1, tensor.shape, generator=gen, dtype=tensor.dtype))
                 continue
             # clip bounds start at ±inf: give them finite values (wide enough not to clip) that noise can change
             tensor.copy_(torch.nan_to_num(tensor, posinf=8.0, neginf=-8.0))
@@ -121,6 +126,15 @@ def _fields(spec, tokenizer) -> dict[str, Any]:
         return dict(**text, intermediate_size=_DENSE_WIDTH, **moe, n_routed_experts=_EXPERTS, n_shared_experts=1,
                     n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
                     qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24, dtype=dtype)
+    if arch == "deepseek_v4":  # compressed and heavily compressed attention, hash-routed then top-k MoE; the
+        # Hub's files name the untied head `head.weight` (in memory `lm_head.weight`)
+        text.update(num_key_value_heads=1, head_dim=32)
+        return dict(**text, **moe, n_routed_experts=_EXPERTS, n_shared_experts=1, q_lora_rank=48, qk_rope_head_dim=8,
+                    layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+                    mlp_layer_types=["hash_moe", "moe"], compress_rates={"compressed_sparse_attention": 4,
+                                                                        "heavily_compressed_attention": 8},
+                    hc_mult=2, sliding_window=8, o_groups=2, o_lora_rank=32, index_n_heads=2, index_head_dim=16,
+                    index_topk=4, num_nextn_predict_layers=0, dtype=dtype)
     if arch == "glm4_moe":  # one dense then one MoE layer
         return dict(**text, intermediate_size=_DENSE_WIDTH, **moe, n_routed_experts=_EXPERTS, n_shared_experts=1,
                     n_group=1, topk_group=1, first_k_dense_replace=1, use_qk_norm=True, dtype=dtype)

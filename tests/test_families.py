@@ -41,6 +41,10 @@ SIGNATURES = {
                     "model.layers.1.mlp.experts.3.down_proj.weight": (64, 40),
                     "model.layers.1.mlp.gate.e_score_correction_bias": (4,),
                     "model.layers.0.mlp.gate_proj.weight": (96, 64)},
+    # untied head named `head.weight` in the Hub's files (was refused: "has no lm_head.weight but
+    # tie_word_embeddings=false"); compressed attention, hyper-connections, an integer hash-routing buffer
+    "deepseek_v4": {"head.weight": (1001, 64), "model.layers.0.ffn.gate.tid2eid": (1001, 2),
+                    "model.layers.1.ffn.experts.3.w2.weight": (64, 40), "model.layers.1.attn.compressor.ape": (8, 32)},
     "glm4_moe": {"model.layers.1.mlp.experts.3.gate_proj.weight": (40, 64),
                  "model.layers.1.mlp.gate.e_score_correction_bias": (4,)},
     "gpt_oss": {"model.layers.1.mlp.experts.gate_up_proj": (4, 64, 80), "model.layers.0.self_attn.sinks": (4,)},

@@ -66,6 +66,21 @@ def tied_aliases(config: dict, names) -> dict[str, str]:
     return {OUTPUT: EMBEDDING} if tied_embeddings(config) and {OUTPUT, EMBEDDING} <= names else {}
 
 
+def writes_output_head(config: dict) -> bool:
+    """Whether save_pretrained writes the head as `lm_head.weight` when untied: per transformers' own model where it
+    knows the config (DeepSeek-V4's files call it `head.weight`), else when config.json names a causal LM.
+
+    >>> writes_output_head({"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"]})  # doctest: +SKIP
+    False
+    """
+    saved = saved_tensors(config)
+    if saved["model"] is not None:
+        return OUTPUT in saved["tensors"]
+    architectures = config.get("architectures")
+    named = architectures[0] if isinstance(architectures, list) and architectures else None
+    return isinstance(named, str) and named.endswith("CausalLM")
+
+
 def describe_difference(written: dict, expected: dict, model: str, few: int = 3) -> str:
     """The first few mis-shaped, missing and unexpected names, on one line.
 
