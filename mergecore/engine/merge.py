@@ -18,7 +18,7 @@ from ..numbers.dtypes import resolve_dtype
 from ..errors import CheckpointError
 from ..formats import CheckpointSource, open_checkpoint
 from ..formats.base import read_hf_config
-from ..families.config_check import check_config, tied_aliases
+from ..families.config_check import check_config, tied_aliases, writes_output_head
 from ..families.layout import EMBEDDING, OUTPUT, tied_embeddings
 from ..views.lora import lora_view, write_adapter_beside
 from ..numbers.nonfinite import check_nonfinite_policy, checked_blocks
@@ -61,7 +61,7 @@ def check_tied_embeddings(source: CheckpointSource, config: dict, requested: boo
             f"{where}; drop the flag or fix the config"
         )
     names = source.tensors()
-    if not tied and EMBEDDING in names and OUTPUT not in names and config.get("architectures", [""])[0].endswith("CausalLM"):
+    if not tied and EMBEDDING in names and OUTPUT not in names and writes_output_head(config):
         raise CheckpointError(
             f"{source.location}: has no {OUTPUT} but {where} says tie_word_embeddings=false; "
             "set it to true if training tied the embeddings"
