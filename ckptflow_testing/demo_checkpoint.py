@@ -156,6 +156,8 @@ def _validate(spec: DemoSpec) -> None:
         raise ValueError(f"arch {spec.arch!r} is supported in mode 'fsdp2' without lora or nonfinite_param")
     if spec.arch in FAMILY_ARCHS and (spec.mode != "fsdp2" or spec.lora or spec.nonfinite_param):
         raise ValueError(f"family arch {spec.arch!r} is supported in mode 'fsdp2' without lora or nonfinite_param")
+    if spec.arch in FAMILY_ARCHS and spec.num_hidden_layers != 2:
+        raise ValueError(f"family arch {spec.arch!r} has 2 layers (one of each kind), got {spec.num_hidden_layers}")
     if spec.lora and (spec.arch == "critic" or spec.mode not in ("fsdp2", "single")):
         raise ValueError("lora is supported for causal LMs in modes 'fsdp2' and 'single'")
     if spec.step < 0:

@@ -27,6 +27,7 @@ FAMILY_CLASSES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
     "llama4": ("Llama4Config", "Llama4ForConditionalGeneration"),
+    # Mixtral made like the others (noise, its own logits), beside demo_checkpoint's trained `mixtral`
     "mixtral_noise": ("MixtralConfig", "MixtralForCausalLM"),
 }
 FAMILY_ARCHS = tuple(FAMILY_CLASSES)
