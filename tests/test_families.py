@@ -154,3 +154,16 @@ def test_buffer_copies_that_differ_across_ranks_are_refused(families, cli, tmp_p
     torch.save(state, rank1)
     result = cli("merge", "--local_dir", role, "--target_dir", tmp_path / "out")
     assert_refused(result, tmp_path / "out", "model_world_size_2_rank_1.pt", "layers.1.layer_scalar", "diverged")
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "deepseek_v4"])
+def test_bf16_merge_casts_floating_tensors_and_buffers_like_model_to(arch, families, tmp_path):
+    """A bf16 merge is save_pretrained of `model.to(torch.bfloat16)`: float weights and float buffers (Gemma 4's
+    clip bounds) cast, integer buffers (DeepSeek-V4's hash routing table) kept."""
+    merge_checkpoint(str(families[arch].role_dir), tmp_path / "bf16", dtype="bf16")
+    weights, reference = load_folder(tmp_path / "bf16"), load_folder(families[arch].reference_dir)
+    assert sorted(weights) == sorted(reference)
+    for name, tensor in reference.items():
+        want = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+        assert weights[name].dtype == want.dtype and torch.equal(weights[name], want), name
+    assert any(not t.is_floating_point() for t in weights.values()) == (arch == "deepseek_v4")
