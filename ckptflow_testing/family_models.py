@@ -27,6 +27,8 @@ FAMILY_CLASSES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
     "llama4": ("Llama4Config", "Llama4ForConditionalGeneration"),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
     # Mixtral made like the others (noise, its own logits), beside demo_checkpoint's trained `mixtral`
     "mixtral_noise": ("MixtralConfig", "MixtralForCausalLM"),
 }
@@ -154,6 +156,12 @@ def _fields(spec, tokenizer) -> dict[str, Any]:
         vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=16,
                       patch_size=4, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
         return dict(text_config=llama, vision_config=vision, tie_word_embeddings=spec.tie_word_embeddings, dtype=dtype)
+    if arch == "olmo3":  # q_norm / k_norm over all heads (not one head's dim); sliding and full attention
+        text.pop("head_dim")
+        return dict(**text, **sliding, intermediate_size=_DENSE_WIDTH, dtype=dtype)
+    if arch == "minimax_m2":  # q_norm / k_norm over all heads; every layer MoE
+        return dict(**text, intermediate_size=_EXPERT_WIDTH, num_local_experts=_EXPERTS, num_experts_per_tok=2,
+                    dtype=dtype)
     if arch == "mixtral_noise":
         return dict(**text, intermediate_size=_EXPERT_WIDTH, num_local_experts=_EXPERTS, num_experts_per_tok=2,
                     dtype=dtype)

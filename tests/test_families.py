@@ -52,6 +52,10 @@ SIGNATURES = {
                      "model.language_model.layers.0.mlp.gate_proj.weight": (96, 64)},
     "llama4": {"language_model.model.layers.1.feed_forward.experts.gate_up_proj": (4, 64, 80),
                "language_model.model.layers.0.feed_forward.gate_proj.weight": (96, 64)},
+    # q_norm / k_norm over all heads (4 x 16, 2 x 16), not one head's dim
+    "olmo3": {"model.layers.1.self_attn.q_norm.weight": (64,), "model.layers.1.self_attn.k_norm.weight": (32,)},
+    "minimax_m2": {"model.layers.1.self_attn.q_norm.weight": (64,),
+                   "model.layers.1.block_sparse_moe.experts.3.w2.weight": (64, 40)},
     "mixtral_noise": {"model.layers.1.block_sparse_moe.experts.3.w1.weight": (40, 64)},
 }
 
