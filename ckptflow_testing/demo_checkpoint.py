@@ -745,7 +745,8 @@ def _save_family(rank: int, world_size: int, spec: DemoSpec, model, role_dir: Pa
         ids = torch.randint(0, spec.vocab_size, (1, _SEQ_LEN), generator=gen)
         with torch.no_grad():
             logits = family_models.text_model(model, spec.arch)(input_ids=ids).logits.float().clone()
-        torch.save({"input_ids": ids, "logits": logits, "threads": torch.get_num_threads()}, reference_dir / LOGITS_FILE)
+        own = {"input_ids": ids, "logits": logits, "threads": torch.get_num_threads()}
+        torch.save(own, reference_dir / LOGITS_FILE)
         model.save_pretrained(reference_dir)
     model = _wrap_fsdp2(model, spec, world_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=_LR, weight_decay=_WEIGHT_DECAY)
@@ -754,7 +755,8 @@ def _save_family(rank: int, world_size: int, spec: DemoSpec, model, role_dir: Pa
     torch.save(optimizer.state_dict(), role_dir / f"optim_{suffix}")
     torch.save({"lr_scheduler": {}, "rng": _rng_state()}, role_dir / f"extra_state_{suffix}")
     if rank == 0:
-        (role_dir / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world_size}, indent=4) + "\n")
+        fsdp_config = {"FSDP_version": 2, "world_size": world_size}
+        (role_dir / "fsdp_config.json").write_text(json.dumps(fsdp_config, indent=4) + "\n")
 
 
 def _own_logits(model, spec: DemoSpec, config) -> dict:

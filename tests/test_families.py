@@ -12,14 +12,13 @@ values) and the merged folder's logits, at the reference's thread count, must be
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
 from ckptflow.testing.demo_checkpoint import LOGITS_FILE, DemoSpec, write_demo_checkpoints
 from ckptflow.testing.family_models import FAMILY_ARCHS, model_class, text_model
-from mergecore import CheckpointError, merge_checkpoint
+from mergecore import merge_checkpoint
 from mergecore.formats.fsdp import load_rank_file
 from weights import load_folder
 

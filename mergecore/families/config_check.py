@@ -114,7 +114,8 @@ def _layer_difference(written, expected, config: dict) -> str:
 
 
 def saved_tensors(config: dict) -> dict:
-    """`{"model": class name, "tensors": {name: shape}, "tied": {dropped name: kept name}}` as that model's save_pretrained writes them, or
+    """`{"model": class name, "tensors": {name: shape}, "tied": {dropped name: kept name}}` as that model's
+    save_pretrained writes them, or
     `{"model": None, "why": ...}` when transformers has no class for the config; from the disk cache when this
     config was checked before with the same transformers install."""
     cache = _cache_file(config)
