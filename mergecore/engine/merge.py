@@ -126,7 +126,8 @@ def prepare(
     config = read_hf_config(source)
     source.validate(check_replicas=check_replicas)
     aliases = check_tied_embeddings(source, config, tie_word_embedding)
-    plan = make_plan(str(source.location), source.tensors(), resolve_dtype(dtype, config), aliases, parse_size(max_shard_size))
+    plan = make_plan(str(source.location), source.tensors(), resolve_dtype(dtype, config), aliases,
+                     parse_size(max_shard_size))
     options = {"config_check": check_config(source, config, plan),  # what the merge writes, per transformers
                "backend": source.backend, "hf_dir": str(source.hf_dir) if hf_dir else None,
                "custom_mapping": custom_mapping, "dtype": dtype, "max_shard_size": max_shard_size,
