@@ -170,3 +170,22 @@ def test_bf16_merge_casts_floating_tensors_and_buffers_like_model_to(arch, famil
         want = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
         assert weights[name].dtype == want.dtype and torch.equal(weights[name], want), name
     assert any(not t.is_floating_point() for t in weights.values()) == (arch == "deepseek_v4")
+
+
+def test_untied_causal_lm_without_its_head_is_refused(families, cli, tmp_path):
+    """The check DeepSeek-V4's `head.weight` no longer trips still holds where save_pretrained writes `lm_head.weight`:
+    rank files without it and an untied config are one line naming the fix."""
+    import shutil
+
+    import torch.distributed.tensor  # noqa: F401  (unpickles the DTensors of the rank files)
+
+    from helpers import assert_refused
+
+    role = tmp_path / "actor"
+    shutil.copytree(families["mixtral_noise"].role_dir, role)
+    for rank_file in role.glob("model_world_size_2_rank_*.pt"):
+        state = torch.load(rank_file, map_location="cpu", weights_only=True)
+        del state["lm_head.weight"]
+        torch.save(state, rank_file)
+    result = cli("merge", "--local_dir", role, "--target_dir", tmp_path / "out")
+    assert_refused(result, tmp_path / "out", "has no lm_head.weight", "tie_word_embeddings=false", "set it to true")
