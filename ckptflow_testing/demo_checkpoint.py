@@ -42,8 +42,10 @@ from typing import Any
 
 __all__ = ["DemoSpec", "DemoCheckpoint", "DemoCheckpointError", "write_demo_checkpoint", "write_demo_checkpoints"]
 
+from .family_models import FAMILY_ARCHS
+
 ARCHS = ("qwen2", "llama", "critic", "qwen3_moe", "qwen2_moe", "mixtral", "qwen2_5_vl", "qwen3_vl", "gemma3_text",
-         "qwen3_next", "sarvam_moe")
+         "qwen3_next", "sarvam_moe") + FAMILY_ARCHS
 MODES = ("fsdp2", "hsdp", "fsdp1_mesh", "fsdp1", "single")
 CONFIG_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -152,6 +154,10 @@ def _validate(spec: DemoSpec) -> None:
         raise ValueError("lora_only needs lora=True")
     if spec.arch in _OWN_LOGITS_ARCHS and (spec.mode != "fsdp2" or spec.lora or spec.nonfinite_param):
         raise ValueError(f"arch {spec.arch!r} is supported in mode 'fsdp2' without lora or nonfinite_param")
+    if spec.arch in FAMILY_ARCHS and (spec.mode != "fsdp2" or spec.lora or spec.nonfinite_param):
+        raise ValueError(f"family arch {spec.arch!r} is supported in mode 'fsdp2' without lora or nonfinite_param")
+    if spec.arch in FAMILY_ARCHS and spec.num_hidden_layers != 2:
+        raise ValueError(f"family arch {spec.arch!r} has 2 layers (one of each kind), got {spec.num_hidden_layers}")
     if spec.lora and (spec.arch == "critic" or spec.mode not in ("fsdp2", "single")):
         raise ValueError("lora is supported for causal LMs in modes 'fsdp2' and 'single'")
     if spec.step < 0:
@@ -268,6 +274,10 @@ def _build_config(spec: DemoSpec, tokenizer):
     )
     if spec.head_dim is not None:
         common["head_dim"] = spec.head_dim
+    if spec.arch in FAMILY_ARCHS:
+        from . import family_models
+
+        return family_models.build_config(spec, tokenizer)
     if spec.arch in _IN_MEMORY_LAYOUT_ARCHS:
         return _in_memory_layout_config(spec, common)
     if spec.arch in _OWN_LOGITS_ARCHS:
@@ -287,6 +297,10 @@ def _build_config(spec: DemoSpec, tokenizer):
 
 
 def _model_class(arch: str):
+    if arch in FAMILY_ARCHS:
+        from . import family_models
+
+        return family_models.model_class(arch)
     if arch in _IN_MEMORY_LAYOUT_ARCHS:
         return _in_memory_layout_model_class(arch)
     if arch in _OWN_LOGITS_ARCHS:
@@ -632,6 +646,8 @@ def _train_and_save(rank: int, world_size: int, spec: DemoSpec, role_dir: Path, 
     except ImportError:  # pragma: no cover
         pass
     model = cls(config).to(torch.float32)
+    if spec.arch in FAMILY_ARCHS:
+        return _save_family(rank, world_size, spec, model, role_dir, reference_dir)
     if spec.lora:
         model = _with_lora(model)  # before FSDP, as verl does; freezes the base weights
     model.train()
@@ -719,6 +735,35 @@ def _train_and_save(rank: int, world_size: int, spec: DemoSpec, role_dir: Path, 
         (role_dir / "fsdp_config.json").write_text(
             json.dumps({"FSDP_version": _fsdp_version(spec), "world_size": world_size}, indent=4) + "\n"
         )
+
+
+def _save_family(rank: int, world_size: int, spec: DemoSpec, model, role_dir: Path, reference_dir: Path) -> None:
+    """A family model (`family_models`): seeded noise instead of a training step; rank 0 writes the reference
+    (save_pretrained, and the model's own logits at this process's one thread) from the unwrapped model, then
+    every rank saves its FSDP2 shards as verl does (persistent buffers as plain tensors, a full copy per rank)."""
+    import torch
+
+    from . import family_models
+
+    family_models.add_noise(model, spec.seed)
+    model.eval()
+    if rank == 0:
+        gen = torch.Generator().manual_seed(4242)
+        ids = torch.randint(0, spec.vocab_size, (1, _SEQ_LEN), generator=gen)
+        with torch.no_grad():
+            logits = family_models.text_model(model, spec.arch)(input_ids=ids).logits.float().clone()
+        own = {"input_ids": ids, "logits": logits, "threads": torch.get_num_threads()}
+        torch.save(own, reference_dir / LOGITS_FILE)
+        model.save_pretrained(reference_dir)
+    model = _wrap_fsdp2(model, spec, world_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=_LR, weight_decay=_WEIGHT_DECAY)
+    suffix = f"world_size_{world_size}_rank_{rank}.pt"
+    torch.save(model.state_dict(), role_dir / f"model_{suffix}")
+    torch.save(optimizer.state_dict(), role_dir / f"optim_{suffix}")
+    torch.save({"lr_scheduler": {}, "rng": _rng_state()}, role_dir / f"extra_state_{suffix}")
+    if rank == 0:
+        fsdp_config = {"FSDP_version": 2, "world_size": world_size}
+        (role_dir / "fsdp_config.json").write_text(json.dumps(fsdp_config, indent=4) + "\n")
 
 
 def _own_logits(model, spec: DemoSpec, config) -> dict:

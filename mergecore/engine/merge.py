@@ -18,7 +18,7 @@ from ..numbers.dtypes import resolve_dtype
 from ..errors import CheckpointError
 from ..formats import CheckpointSource, open_checkpoint
 from ..formats.base import read_hf_config
-from ..families.config_check import check_config
+from ..families.config_check import check_config, tied_aliases, writes_output_head
 from ..families.layout import EMBEDDING, OUTPUT, tied_embeddings
 from ..views.lora import lora_view, write_adapter_beside
 from ..numbers.nonfinite import check_nonfinite_policy, checked_blocks
@@ -50,8 +50,9 @@ class Prepared:
     options: dict = field(default_factory=dict)  # how it was opened and planned: recorded, so `verify` reopens alike
 
 
-def check_tied_embeddings(source: CheckpointSource, config: dict, requested: bool | None) -> bool:
-    """Whether the output ties embeddings; the checkpoint must agree with the config."""
+def check_tied_embeddings(source: CheckpointSource, config: dict, requested: bool | None) -> dict[str, str]:
+    """The tied tensors the output stores once (`tied_aliases`: dropped name -> the name holding its values);
+    the checkpoint must agree with the config."""
     tied = tied_embeddings(config)
     where = source.hf_dir.join("config.json")
     if requested is not None and requested != tied:
@@ -60,18 +61,19 @@ def check_tied_embeddings(source: CheckpointSource, config: dict, requested: boo
             f"{where}; drop the flag or fix the config"
         )
     names = source.tensors()
-    if not tied and EMBEDDING in names and OUTPUT not in names and config.get("architectures", [""])[0].endswith("CausalLM"):
+    if not tied and EMBEDDING in names and OUTPUT not in names and writes_output_head(config):
         raise CheckpointError(
             f"{source.location}: has no {OUTPUT} but {where} says tie_word_embeddings=false; "
             "set it to true if training tied the embeddings"
         )
-    if tied and OUTPUT in names and EMBEDDING in names:
-        if not same_values(source, EMBEDDING, OUTPUT):
+    aliases = tied_aliases(config, names)
+    for dropped, kept in aliases.items():
+        if not same_values(source, kept, dropped):
             raise CheckpointError(
-                f"{source.location}: {OUTPUT} differs from {EMBEDDING} but {where} says tie_word_embeddings=true; "
+                f"{source.location}: {dropped} differs from {kept} but {where} says tie_word_embeddings=true; "
                 "set it to false (the model was trained untied)"
             )
-    return tied
+    return aliases
 
 
 def same_values(source: CheckpointSource, a: str, b: str) -> bool:
@@ -123,8 +125,9 @@ def prepare(
         publishable_files(source.hf_dir, source.location)
     config = read_hf_config(source)
     source.validate(check_replicas=check_replicas)
-    tied = check_tied_embeddings(source, config, tie_word_embedding)
-    plan = make_plan(str(source.location), source.tensors(), resolve_dtype(dtype, config), tied, parse_size(max_shard_size))
+    aliases = check_tied_embeddings(source, config, tie_word_embedding)
+    plan = make_plan(str(source.location), source.tensors(), resolve_dtype(dtype, config), aliases,
+                     parse_size(max_shard_size))
     options = {"config_check": check_config(source, config, plan),  # what the merge writes, per transformers
                "backend": source.backend, "hf_dir": str(source.hf_dir) if hf_dir else None,
                "custom_mapping": custom_mapping, "dtype": dtype, "max_shard_size": max_shard_size,

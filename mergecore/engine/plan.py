@@ -68,17 +68,19 @@ def make_plan(
     source: str,
     tensors: dict[str, TensorInfo],
     dtype: str | None,
-    tied: bool,
+    tied: bool | dict[str, str],
     max_shard_size: int,
 ) -> MergePlan:
     """Group tensors by layer and pack the groups, in order, into files of at most `max_shard_size`.
 
     Floating-point tensors are cast to `dtype`; others keep theirs. With tied embeddings the
-    output head is dropped (Hugging Face stores it once) and recorded as an alias.
+    output head is dropped (Hugging Face stores it once) and recorded as an alias; a mapping names the tied
+    tensors to drop instead (dropped name -> the written name holding its values, `config_check.tied_aliases`).
     """
-    aliases = {}
-    if tied and OUTPUT in tensors and EMBEDDING in tensors:
-        aliases[OUTPUT] = EMBEDDING
+    if isinstance(tied, dict):
+        aliases = dict(tied)
+    else:
+        aliases = {OUTPUT: EMBEDDING} if tied and OUTPUT in tensors and EMBEDDING in tensors else {}
     ordered = sorted((i, n) for i, n in enumerate(tensors) if n not in aliases)
     ordered.sort(key=lambda item: (group_of(item[1])[0], item[0]))
 

@@ -24,9 +24,9 @@ import os
 from pathlib import Path
 
 from ..errors import CheckpointError
-from .layout import check_against_config, layer_index, text_config
+from .layout import EMBEDDING, OUTPUT, check_against_config, layer_index, text_config, tied_embeddings
 
-_CACHE_FORMAT = 1  # bump when what is cached changes meaning
+_CACHE_FORMAT = 2  # bump when what is cached changes meaning (2: "tied")
 _FIX = "the checkpoint and config.json are from different models: pass --hf_model_path with the right config"
 
 
@@ -47,6 +47,44 @@ def check_config(source, config: dict, plan) -> dict:
         layers = _layer_difference(written, expected, config)
         raise CheckpointError(f"{where}: {layers}{describe_difference(written, expected, saved['model'])}; {_FIX}")
     return {"by": "transformers", "model": saved["model"], "tensors": len(written)}
+
+
+def tied_aliases(config: dict, names) -> dict[str, str]:
+    """The tensors of `names` that save_pretrained drops because they are tied, each mapped to the written tensor
+    holding its values, under the Hub's names: per transformers' own model where it knows the config (a VLM's
+    `language_model.lm_head.weight` -> `language_model.model.embed_tokens.weight`), else `lm_head.weight` ->
+    `model.embed_tokens.weight` when config.json ties the embeddings.
+
+    >>> tied_aliases({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]},
+    ...              ["language_model.lm_head.weight", "language_model.model.embed_tokens.weight"])  # doctest: +SKIP
+    {'language_model.lm_head.weight': 'language_model.model.embed_tokens.weight'}
+    """
+    names = set(names)
+    saved = _answer_if_typed(config)
+    if saved["model"] is not None:
+        return {dropped: kept for dropped, kept in saved["tied"].items() if dropped in names and kept in names}
+    return {OUTPUT: EMBEDDING} if tied_embeddings(config) and {OUTPUT, EMBEDDING} <= names else {}
+
+
+def writes_output_head(config: dict) -> bool:
+    """Whether save_pretrained writes the head as `lm_head.weight` when untied: per transformers' own model where it
+    knows the config (DeepSeek-V4's files call it `head.weight`), else when config.json names a causal LM.
+
+    >>> writes_output_head({"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"]})  # doctest: +SKIP
+    False
+    """
+    saved = _answer_if_typed(config)
+    if saved["model"] is not None:
+        return OUTPUT in saved["tensors"]
+    architectures = config.get("architectures")
+    named = architectures[0] if isinstance(architectures, list) and architectures else None
+    return isinstance(named, str) and named.endswith("CausalLM")
+
+
+def _answer_if_typed(config: dict) -> dict:
+    """`saved_tensors`, or no model when config.json has no model_type (`check_config` refuses it, in its words)."""
+    typed = isinstance(config.get("model_type"), str) and config["model_type"]
+    return saved_tensors(config) if typed else {"model": None, "why": "config.json has no model_type"}
 
 
 def describe_difference(written: dict, expected: dict, model: str, few: int = 3) -> str:
@@ -82,7 +120,8 @@ def _layer_difference(written, expected, config: dict) -> str:
 
 
 def saved_tensors(config: dict) -> dict:
-    """`{"model": class name, "tensors": {name: shape}}` as that model's save_pretrained writes them, or
+    """`{"model": class name, "tensors": {name: shape}, "tied": {dropped name: kept name}}` as that model's
+    save_pretrained writes them, or
     `{"model": None, "why": ...}` when transformers has no class for the config; from the disk cache when this
     config was checked before with the same transformers install."""
     cache = _cache_file(config)
@@ -113,8 +152,24 @@ def _ask_transformers(config: dict) -> dict:
     state = model.state_dict()  # meta tensors: persistent buffers included, non-persistent ones not
     for key in model._keys_to_ignore_on_save or ():
         state.pop(key, None)
-    state = revert_weight_conversion(model, remove_tied_weights_from_state_dict(state, model))
-    return {"model": type(model).__name__, "tensors": {name: list(t.shape) for name, t in state.items()}}
+    kept = remove_tied_weights_from_state_dict(dict(state), model)
+    # the Hub's name of each in-memory one: the conversion renames (returns the same tensor) all of them at once
+    hub_name = {id(t): name for name, t in revert_weight_conversion(model, dict(state)).items()}
+    tied = {hub_name[id(state[dropped])]: hub_name[id(state[keeper])] for dropped, keeper in _ties(model, state, kept)
+            if id(state[dropped]) in hub_name and id(state[keeper]) in hub_name}
+    written = revert_weight_conversion(model, kept)
+    return {"model": type(model).__name__, "tensors": {name: list(t.shape) for name, t in written.items()},
+            "tied": tied}
+
+
+def _ties(model, state: dict, kept: dict):
+    """(dropped, kept) in-memory names of each tied tensor save_pretrained drops: the same parameter object."""
+    same = model.get_parameter_or_buffer
+    for dropped in state:
+        if dropped not in kept:
+            keeper = next((name for name in kept if same(name) is same(dropped)), None)
+            if keeper is not None:
+                yield dropped, keeper
 
 
 def _cache_file(config: dict) -> Path | None:

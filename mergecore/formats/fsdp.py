@@ -292,6 +292,8 @@ class FsdpCheckpoint(FetchesByGroup, CheckpointSource):
             self._check_tiling(name, info)
             if check_replicas:
                 self._check_replicas(name)
+            elif self._saved_whole_by_every_rank(name):
+                self._check_whole_copies(name)
 
     def _check_same_keys(self) -> None:
         expected = set(self._saved[0])
@@ -346,6 +348,21 @@ class FsdpCheckpoint(FetchesByGroup, CheckpointSource):
                 f"{self.location}: the shards of tensor {name} do not tile its global shape {info.shape} "
                 f"({covered} of {info.numel} elements{', overlapping' if overlap else ''}); a rank file is from another save"
             )
+
+    def _saved_whole_by_every_rank(self, name: str) -> bool:
+        """A plain tensor in a multi-rank FSDP file: a persistent buffer, which FSDP does not shard (every rank
+        saves a whole copy; small, so its copies are always compared)."""
+        return self.world_size > 1 and _raised(self._saved[0][name].layout) == "plain"
+
+    def _check_whole_copies(self, name: str) -> None:
+        first = next(p for p in self._saved_pieces[name] if p.primary)
+        for piece in self._fetched(self._saved_pieces[name], name):
+            if not piece.primary and not bitwise_equal(piece.tensor, first.tensor):
+                raise CheckpointError(
+                    f"{piece.source}: tensor {name}, which every rank saves whole (a buffer), differs from the copy in "
+                    f"{first.source}; the ranks' copies diverged during training and no merge can tell which is right: "
+                    "keep the rank file whose copy you trust and copy that tensor into the others, or re-save"
+                )
 
     def _check_replicas(self, name: str) -> None:
         primary = {p.offsets: p for p in self._saved_pieces[name] if p.primary}
