@@ -25,18 +25,19 @@ from functools import cached_property
 
 import numpy as np
 
-from ..errors import CheckpointError
-from ..families.megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
-from ..storage import Location, RangeFile, fetch_ranges
-from ..numbers.arrays import bitwise_equal, dtype_of
-from ..families.transforms import Replicated, ReplicatedGatedMLP, Transform, VocabParallel, make_transform
-from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
-from .detect import MP_RANK_DIR
-from .fetching import FetchesByGroup
-from . import torchfile
-from .torchfile import fetch_archive_metadata, member_span
-from .megatron_checks import check_layers, check_moe
-from .untrusted import Record, megatron_file
+from ...errors import CheckpointError
+from ...families.megatron_maps import SKIPPED, Mapped, resolve
+from ...storage import Location, RangeFile, fetch_ranges
+from ...numbers.arrays import bitwise_equal, dtype_of
+from ...families.transforms import Transform
+from ..base import CheckpointSource, Piece, TensorInfo
+from ..detect import MP_RANK_DIR
+from ..fetching import FetchesByGroup
+from .. import torchfile
+from ..torchfile import fetch_archive_metadata, member_span
+from .checks import check_layers, check_moe
+from .common import MegatronReader
+from ..untrusted import Record, megatron_file
 
 MODEL_FILE = "model.pt"
 
@@ -120,7 +121,7 @@ class Entry:
     mapped: Mapped
 
 
-class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
+class MegatronLegacyCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource):
     format_name = "verl-megatron-legacy"
 
     def __init__(self, location: Location, hf_dir: Location | None = None, step: int | None = None,
@@ -245,10 +246,6 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
         return [self._piece(t, self._entries[name]) for name in names for t in range(self.tp)]
 
     @cached_property
-    def config(self) -> dict:
-        return read_hf_config(self)
-
-    @cached_property
     def vpp(self) -> int:
         sizes = {(t, p): len(self.chunks(t, p)) for p in range(self.pp) for t in range(self.tp)}
         first = sizes[(0, 0)]
@@ -264,19 +261,9 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
         """(pp rank, virtual stage) of every model chunk, in model order."""
         return [(p, v) for v in range(self.vpp) for p in range(self.pp)]
 
-    def _is_value_model(self) -> bool:
-        architectures = self.config.get("architectures") or [""]
-        if str(architectures[0]).endswith(("ForTokenClassification", "ForSequenceClassification")):
-            return True
-        last = self.chunks(0, self.pp - 1)[-1]
-        output = last.get("output_layer.weight")
-        vocab = self.config.get("vocab_size")
-        return output is not None and output.shape[0] == 1 and vocab is not None and int(vocab) > 1
-
-    @cached_property
-    def _table(self):
-        custom = load_custom_mapping(self.custom_mapping) if self.custom_mapping else None
-        return table_for(self.config, custom, self._is_value_model())
+    def _output_rows(self) -> int | None:
+        output = self.chunks(0, self.pp - 1)[-1].get("output_layer.weight")
+        return None if output is None else output.shape[0]
 
     @cached_property
     def _layer_spans(self) -> dict[tuple[int, int], tuple[int, int]]:
@@ -320,22 +307,6 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
             offset += count
         return shifts
 
-    def _make_transform(self, mapped: Mapped, piece: np.ndarray) -> Transform:
-        kind = mapped.kind
-        try:
-            if kind == "vocab":
-                return VocabParallel(int(self.config["vocab_size"]), padded_size=piece.shape[0] * self.tp)
-            moe = self.config.get("moe_intermediate_size")
-            if self.tp > 1 and ".mlp.experts." in mapped.pattern and isinstance(moe, int) and kind in ("gated", "row"):
-                # expert_tensor_parallel_size=1: every TP rank holds whole experts
-                if kind == "gated" and piece.shape[0] == 2 * moe:
-                    return ReplicatedGatedMLP()
-                if kind == "row" and piece.ndim == 2 and piece.shape[1] == moe:
-                    return Replicated()
-            return make_transform(kind, self.config)
-        except (KeyError, ValueError) as err:
-            raise CheckpointError(f"{self.hf_dir.join('config.json')}: cannot size a {kind} tensor ({err})") from None
-
     @cached_property
     def _entries(self) -> dict[str, Entry]:
         entries: dict[str, Entry] = {}
@@ -346,13 +317,8 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
                 indices = mapped.indices
                 if mapped.is_layer:
                     indices = (indices[0] + self._layer_shifts[(p, v)], *indices[1:])
-                transform = self._make_transform(mapped, value)
-                names = mapped.hf_names(indices)
-                if len(names) != len(transform.parts):
-                    raise CheckpointError(
-                        f"{shown}: {key} maps to {len(names)} Hugging Face names but a {mapped.kind} tensor holds "
-                        f"{len(transform.parts)} ({', '.join(transform.parts)}); fix the mapping"
-                    )
+                transform = self._make_transform(mapped, tuple(value.shape), self.tp)
+                names = self.hf_names(mapped, transform, shown, key, indices)
                 for part, name in zip(transform.parts, names):
                     if name in entries:
                         other = entries[name]
