@@ -171,7 +171,7 @@ def resolve(key: str, table: Table, where: str = "") -> Mapped:
     raise CheckpointError(
         f"{where + ': ' if where else ''}parameter {key} has no Hugging Face name in the mapping table; "
         f"map it with --custom-mapping FILE (JSON or YAML: {{\"<megatron pattern with {{}}>\": "
-        "[\"<hf pattern>\", \"column|row|replicated|vocab|qkv|gated\"]})"
+        f"[\"<hf pattern>\", \"{'|'.join(KINDS)}\"]}})"
     )
 
 
