@@ -1,5 +1,5 @@
 """What the two Megatron readers (legacy `mp_rank_*` files, dist_ckpt) share: config.json, the mapping table of
-the checkpoint's family with a user's custom rows on top, whether it is a value
+the checkpoint's family (`mergecore.families.registry`) with a user's custom rows on top, whether it is a value
 model, and the transform that merges each mapped parameter.
 
 A reader says only how many rows its saved `output_layer.weight` has (`_output_rows`); the rest is here:
@@ -15,7 +15,8 @@ from __future__ import annotations
 from functools import cached_property
 
 from ...errors import CheckpointError
-from ...families.megatron_maps import Mapped, load_custom_mapping, table_for
+from ...families.megatron_maps import Mapped, load_custom_mapping
+from ...families.registry import table_for
 from ...families.transforms import Replicated, ReplicatedGatedMLP, Transform, VocabParallel, make_transform
 from ..base import read_hf_config
 
@@ -51,7 +52,7 @@ class MegatronReader:
     @cached_property
     def _table(self):
         custom = load_custom_mapping(self.custom_mapping) if self.custom_mapping else None
-        return table_for(self.config, custom, self._is_value_model())
+        return table_for(self.config, custom, self._is_value_model(), self.hf_dir.join("config.json"))
 
     def _make_transform(self, mapped: Mapped, shape: tuple[int, ...], tp: int = 1) -> Transform:
         """The transform of one saved parameter of `shape` (one TP rank's piece), sized from config.json."""
