@@ -134,12 +134,24 @@ def freeze(table: Table) -> tuple:
     return tuple((p, (hf,) if isinstance(hf, str) else tuple(hf), kind) for p, (hf, kind) in table.items())
 
 
-def resolve(key: str, table: Table, where: str = "") -> Mapped:
-    """The row `key` matches (first match wins), or a one-line CheckpointError naming the key."""
+def find(key: str, table: Table) -> Mapped | None:
+    """The row `key` matches (first match wins), or None.
+
+    >>> find("decoder.layers.3.self_attention.linear_proj.weight", ATTENTION_ROWS).hf_names()
+    ('model.layers.3.self_attn.o_proj.weight',)
+    """
     for regex, pattern, hf, kind in _compiled(freeze(table)):
         match = regex.match(key)
         if match:
             return Mapped(pattern, hf, kind, tuple(int(g) for g in match.groups()))
+    return None
+
+
+def resolve(key: str, table: Table, where: str = "") -> Mapped:
+    """The row `key` matches (first match wins), or a one-line CheckpointError naming the key."""
+    mapped = find(key, table)
+    if mapped is not None:
+        return mapped
     raise CheckpointError(
         f"{where + ': ' if where else ''}parameter {key} has no Hugging Face name in the mapping table; "
         f"map it with --custom-mapping FILE (JSON or YAML: {{\"<megatron pattern with {{}}>\": "

@@ -15,7 +15,7 @@ from __future__ import annotations
 from functools import cached_property
 
 from ...errors import CheckpointError
-from ...families.megatron_maps import Mapped, load_custom_mapping
+from ...families.megatron_maps import Mapped, find, load_custom_mapping
 from ...families.registry import table_for
 from ...families.transforms import Replicated, ReplicatedGatedMLP, Transform, VocabParallel, make_transform
 from ..base import read_hf_config
@@ -25,13 +25,24 @@ VALUE_HEADS = ("ForTokenClassification", "ForSequenceClassification")
 
 
 class MegatronReader:
-    """Mixin of both Megatron readers; they set `hf_dir` and `custom_mapping` and define `_output_rows`."""
+    """Mixin of both Megatron readers; they set `hf_dir` and `custom_mapping` and define `_output_rows` and
+    `_saved_keys`."""
 
     custom_mapping: str | None
 
     def _output_rows(self) -> int | None:
         """Rows of the saved `output_layer.weight` (one TP rank's, for legacy files), None when there is none."""
         raise NotImplementedError
+
+    def _saved_keys(self) -> dict[str, str]:
+        """Every saved parameter as the tables name it (legacy-style) -> as the checkpoint shows it."""
+        raise NotImplementedError
+
+    def unplaced(self) -> list[str]:
+        """The saved parameters no row of the mapping table places (for `ckptflow inspect`); a family with no
+        table at all is the mapping table's one-line error."""
+        table = self._table
+        return sorted({shown for key, shown in self._saved_keys().items() if find(key, table) is None})
 
     @cached_property
     def config(self) -> dict:

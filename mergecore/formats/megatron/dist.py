@@ -278,6 +278,9 @@ class MegatronDistCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource):
                 slices.append(Slice(key, (), name, shape, dtype, position))
         return slices
 
+    def _saved_keys(self) -> dict[str, str]:
+        return {s.legacy_key: s.key for s in self._slices}
+
     def _output_rows(self) -> int | None:
         return next((s.shape[0] for s in self._slices if s.legacy_key == "output_layer.weight"), None)
 

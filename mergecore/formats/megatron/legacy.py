@@ -261,6 +261,9 @@ class MegatronLegacyCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource)
         """(pp rank, virtual stage) of every model chunk, in model order."""
         return [(p, v) for v in range(self.vpp) for p in range(self.pp)]
 
+    def _saved_keys(self) -> dict[str, str]:
+        return {key: key for p, v in self.chunk_order() for key in self.chunks(0, p)[v]}
+
     def _output_rows(self) -> int | None:
         output = self.chunks(0, self.pp - 1)[-1].get("output_layer.weight")
         return None if output is None else output.shape[0]
