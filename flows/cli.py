@@ -428,6 +428,14 @@ def inspect(
         return
     facts = report["checkpoint"]
     out.print(", ".join(f"{k}: {v}" for k, v in facts.items() if k != "files"), highlight=False, soft_wrap=True)
+    family = report["family"]
+    out.print(f"family: {family['model_type'] or 'unknown'} ({'registered' if family['registered'] else 'not registered'}); "
+              f"layout: {family['layout']} — {family['detail']}", highlight=False, soft_wrap=True)
+    if family["unplaced"]:
+        few = family["unplaced"][:5]
+        more = f" and {len(family['unplaced']) - len(few)} more" if len(family["unplaced"]) > len(few) else ""
+        out.print(f"cannot place {len(family['unplaced'])} tensors: {', '.join(few)}{more}", highlight=False,
+                  soft_wrap=True)
     table = Table("group", "tensors", "bytes", "dtypes", "layouts")
     for group in report["groups"]:
         table.add_row(group["group"], str(group["tensors"]), f"{group['bytes']:,}", ", ".join(group["dtypes"]),
