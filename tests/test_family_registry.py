@@ -74,3 +74,21 @@ def test_a_wrong_registration_is_one_line_naming_it():
     with pytest.raises(CheckpointError, match=r"register_family\('llama'\): already registered; pass replace=True"):
         register_family("llama")
     assert family_of({"model_type": "acme_bad"}) is None
+
+
+def test_inspect_says_where_a_megatron_layout_comes_from(acme, cli, tmp_path):
+    """Unknown family: every saved parameter is unplaced (`layout: none`), nothing raised; with the Llama rows as a
+    custom mapping: `custom mapping`, everything placed."""
+    import torch
+
+    saved = {key for chunk in torch.load(acme.role_dir / "model" / "mp_rank_00" / "model.pt", weights_only=True)
+             for key in chunk if not key.endswith("_extra_state")}
+    report = json.loads(cli("inspect", acme.role_dir, "--json").stdout)
+    assert (report["family"]["layout"], report["groups"]) == ("none", [])
+    assert set(report["family"]["unplaced"]) == saved
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps(family_of({"model_type": "llama"}).megatron))
+    result = cli("inspect", acme.role_dir, "--custom-mapping", rows)
+    assert result.exit_code == 0, result.output
+    assert f"layout: custom mapping — {rows}" in result.stdout
+    assert "cannot place" not in result.stdout
