@@ -24,7 +24,8 @@ _FIX = "register the family (mergecore.families.register_family, docs/adding-a-f
 
 def describe_checkpoint(path: str, role: str = "actor", backend: str = "auto", custom_mapping: str | None = None,
                         lora: dict | None = None) -> dict:
-    """Format facts plus tensors, bytes, dtypes and layouts per layer group (metadata only).
+    """Format facts plus tensors, bytes, dtypes and layouts per layer group (metadata only), and the family
+    (`family_report`: which one, how the names a merge writes were derived, what nothing places).
 
     A LoRA checkpoint also gets `lora`: rank, alpha, target modules, adapters, where each came from
     (`lora` overrides as for the merge: r, alpha, target_modules); alpha is None when nothing says it.
@@ -33,7 +34,7 @@ def describe_checkpoint(path: str, role: str = "actor", backend: str = "auto", c
     4
     """
     return describe_source(shown_view(open_checkpoint(path, role=role, backend=backend, custom_mapping=custom_mapping)),
-                           lora)
+                           lora, family=True)
 
 
 def shown_view(source):
@@ -49,10 +50,12 @@ def shown_view(source):
     return hub_view(source)
 
 
-def describe_source(source, lora: dict | None = None) -> dict:
-    """`describe_checkpoint` of a source already opened (and viewed with `shown_view`), with its `family`
-    (`family_report`). A Megatron checkpoint whose parameters the table cannot all place is described by its
-    family alone (its tensors have no Hugging Face names to group by)."""
+def describe_source(source, lora: dict | None = None, family: bool = False) -> dict:
+    """`describe_checkpoint` of a source already opened (and viewed with `shown_view`); with `family`, also its
+    `family_report` (it reads config.json), and a Megatron checkpoint whose parameters the table cannot all place
+    is then described by its family alone (its tensors have no Hugging Face names to group by)."""
+    if not family:
+        return _describe_tensors(source, lora)
     family = family_report(source)
     if family["unplaced"] and not _saved_names_kept(source):
         facts = {"format": source.format_name, "location": str(source.location)}
