@@ -415,7 +415,7 @@ def inspect(
 
     opened = shown_view(open_checkpoint(source, role=role, backend=backend, custom_mapping=custom_mapping))
     lora = lora_overrides(lora_alpha, lora_r, target_modules)
-    report = describe_source(opened, lora)
+    report = describe_source(opened, lora, family=True)
     picture = None
     if html_file:
         from mergecore.picture import checkpoint_layout, write_picture
