@@ -43,8 +43,7 @@ def shown_view(source):
 
     >>> shown_view(open_checkpoint("ckpts/run1")).tensors()  # doctest: +SKIP
     """
-    while getattr(source, "inner", None) is not None:  # back to the checkpoint as saved (Hub layout, fused LoRA)
-        source = source.inner
+    source = _saved(source)
     if source.format_name == "verl-fsdp" and is_lora_checkpoint(source.tensors()):
         return source
     return hub_view(source)
@@ -63,13 +62,23 @@ def describe_source(source, lora: dict | None = None, family: bool = False) -> d
     return {**_describe_tensors(source, lora), "family": family}
 
 
+def refuse_unplaced(report: dict) -> None:
+    """After showing a report, the one-line error a merge would stop on when the saved parameters it lists
+    have no Hugging Face name (a Megatron checkpoint; an FSDP one writes such names as saved)."""
+    family = report.get("family") or {}
+    if family.get("unplaced") and not report["groups"]:
+        few = ", ".join(family["unplaced"][:3]) + (" ..." if len(family["unplaced"]) > 3 else "")
+        raise CheckpointError(f"{report['checkpoint']['location']}: cannot place {len(family['unplaced'])} saved "
+                              f"parameters ({few}); {_FIX}")
+
+
 def _saved_names_kept(source) -> bool:
     """An FSDP checkpoint keeps names nothing places (written as saved); a Megatron one has no name for them."""
     return not hasattr(_saved(source), "unplaced")
 
 
 def _saved(source):
-    while getattr(source, "inner", None) is not None:  # the checkpoint as saved, under any view
+    while getattr(source, "inner", None) is not None:  # back to the checkpoint as saved (Hub layout, fused LoRA)
         source = source.inner
     return source
 
@@ -108,12 +117,11 @@ def _megatron_layout(source, config: dict) -> dict:
     try:
         unplaced = source.unplaced()
     except CheckpointError as err:  # the family has no Megatron table and no custom mapping was given
-        return {"layout": LAYOUTS["none"], "unplaced": sorted(set(source._saved_keys().values())),
+        return {"layout": LAYOUTS["none"], "unplaced": sorted(set(source.saved_parameters().values())),
                 "detail": f"model_type {model_type!r} has no Megatron mapping table: {_FIX}" if model_type else str(err)}
     if source.custom_mapping:
         over = " over the registry's table" if family_of(config) and family_of(config).megatron else ""
         return {"layout": LAYOUTS["custom mapping"], "detail": f"{source.custom_mapping}{over}", "unplaced": unplaced}
-    # (an FSDP checkpoint keeps HF names: --custom-mapping is Megatron's only)
     fix = f"; map them: {_FIX}" if unplaced else ""
     return {"layout": LAYOUTS["registry"], "detail": f"the Megatron table of {model_type}{fix}", "unplaced": unplaced}
 

@@ -83,7 +83,9 @@ def test_inspect_says_where_a_megatron_layout_comes_from(acme, cli, tmp_path):
 
     saved = {key for chunk in torch.load(acme.role_dir / "model" / "mp_rank_00" / "model.pt", weights_only=True)
              for key in chunk if not key.endswith("_extra_state")}
-    report = json.loads(cli("inspect", acme.role_dir, "--json").stdout)
+    result = cli("inspect", acme.role_dir, "--json")
+    assert result.exit_code == 2 and "cannot place" in result.stderr and "register the family" in result.stderr
+    report = json.loads(result.stdout)  # shown, then refused as a merge would be
     assert (report["family"]["layout"], report["groups"]) == ("none", [])
     assert set(report["family"]["unplaced"]) == saved
     rows = tmp_path / "rows.json"

@@ -26,7 +26,7 @@ VALUE_HEADS = ("ForTokenClassification", "ForSequenceClassification")
 
 class MegatronReader:
     """Mixin of both Megatron readers; they set `hf_dir` and `custom_mapping` and define `_output_rows` and
-    `_saved_keys`."""
+    `saved_parameters`."""
 
     custom_mapping: str | None
 
@@ -34,7 +34,7 @@ class MegatronReader:
         """Rows of the saved `output_layer.weight` (one TP rank's, for legacy files), None when there is none."""
         raise NotImplementedError
 
-    def _saved_keys(self) -> dict[str, str]:
+    def saved_parameters(self) -> dict[str, str]:
         """Every saved parameter as the tables name it (legacy-style) -> as the checkpoint shows it."""
         raise NotImplementedError
 
@@ -42,7 +42,7 @@ class MegatronReader:
         """The saved parameters no row of the mapping table places (for `ckptflow inspect`); a family with no
         table at all is the mapping table's one-line error."""
         table = self._table
-        return sorted({shown for key, shown in self._saved_keys().items() if find(key, table) is None})
+        return sorted({shown for key, shown in self.saved_parameters().items() if find(key, table) is None})
 
     @cached_property
     def config(self) -> dict:

@@ -1,6 +1,6 @@
 """Megatron dist_ckpt checkpoints (torch_dist backend), read without megatron-core and without a process group.
 
-Long (~660 lines): dist_ckpt's metadata, its stacked and per-layer keys, and the chunk views that stream a
+Long (~630 lines): dist_ckpt's metadata, its stacked and per-layer keys, and the chunk views that stream a
 layer's rows are one reader.
 
 Layouts found from the role folder (`.../global_step_N/actor`):
@@ -278,7 +278,7 @@ class MegatronDistCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource):
                 slices.append(Slice(key, (), name, shape, dtype, position))
         return slices
 
-    def _saved_keys(self) -> dict[str, str]:
+    def saved_parameters(self) -> dict[str, str]:
         return {s.legacy_key: s.key for s in self._slices}
 
     def _output_rows(self) -> int | None:

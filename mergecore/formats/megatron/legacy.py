@@ -1,7 +1,7 @@
 """verl's legacy Megatron checkpoints: `<role>/model/mp_rank_TT[_PPP]/model.pt`, read without megatron-core.
 
-Long (~550 lines): the legacy layout's discovery, its per-rank pieces and their TP/PP/VPP placement are one
-reader; the Megatron name tables and transforms are data in `families/`.
+Long (~530 lines): the legacy layout's discovery, its per-rank pieces and their TP/PP/VPP placement are one
+reader; the Megatron name tables and transforms are data in `families/`, what both readers share in `common.py`.
 
 Each `model.pt` holds one TP x PP rank's model state, as a list of per-virtual-pipeline-chunk state
 dicts (verl). Also read: a dict with `"model"` (a state dict or a list) or `"model0"`, `"model1"`...
@@ -261,7 +261,7 @@ class MegatronLegacyCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource)
         """(pp rank, virtual stage) of every model chunk, in model order."""
         return [(p, v) for v in range(self.vpp) for p in range(self.pp)]
 
-    def _saved_keys(self) -> dict[str, str]:
+    def saved_parameters(self) -> dict[str, str]:
         return {key: key for p, v in self.chunk_order() for key in self.chunks(0, p)[v]}
 
     def _output_rows(self) -> int | None:
