@@ -411,7 +411,7 @@ def inspect(
 ):
     """Describe a checkpoint: format, world size, mesh, placements, tensors and bytes per group (and its LoRA)."""
     from mergecore.formats import open_checkpoint
-    from mergecore.inspect import describe_source, shown_view
+    from mergecore.inspect import describe_source, refuse_unplaced, shown_view
 
     opened = shown_view(open_checkpoint(source, role=role, backend=backend, custom_mapping=custom_mapping))
     lora = lora_overrides(lora_alpha, lora_r, target_modules)
@@ -425,6 +425,7 @@ def inspect(
         print(json.dumps(report, indent=2))
         if picture:
             err.print(f"picture: {picture}", highlight=False, soft_wrap=True)  # stdout stays JSON
+        refuse_unplaced(report)
         return
     facts = report["checkpoint"]
     out.print(", ".join(f"{k}: {v}" for k, v in facts.items() if k != "files"), highlight=False, soft_wrap=True)
@@ -451,6 +452,7 @@ def inspect(
                   highlight=False, soft_wrap=True)
     if picture:
         out.print(f"picture: {picture}", highlight=False, soft_wrap=True)
+    refuse_unplaced(report)  # shown above, and a merge would stop on them: exit 2
 
 
 @app.command()
