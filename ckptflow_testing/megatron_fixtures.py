@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from mergecore.families.megatron_maps import L, freeze, table_for
+from mergecore.families.megatron_maps import L, freeze
+from mergecore.families.registry import table_for
 from mergecore.families.transforms import Replicated, ReplicatedGatedMLP, make_transform, pad_vocab
 
 __all__ = ["ARCHS", "MegatronFixture", "tiny_model", "reshard", "write_megatron_checkpoint"]

@@ -411,11 +411,11 @@ def inspect(
 ):
     """Describe a checkpoint: format, world size, mesh, placements, tensors and bytes per group (and its LoRA)."""
     from mergecore.formats import open_checkpoint
-    from mergecore.inspect import describe_source, shown_view
+    from mergecore.inspect import describe_source, refuse_unplaced, shown_view
 
     opened = shown_view(open_checkpoint(source, role=role, backend=backend, custom_mapping=custom_mapping))
     lora = lora_overrides(lora_alpha, lora_r, target_modules)
-    report = describe_source(opened, lora)
+    report = describe_source(opened, lora, family=True)
     picture = None
     if html_file:
         from mergecore.picture import checkpoint_layout, write_picture
@@ -425,9 +425,18 @@ def inspect(
         print(json.dumps(report, indent=2))
         if picture:
             err.print(f"picture: {picture}", highlight=False, soft_wrap=True)  # stdout stays JSON
+        refuse_unplaced(report)
         return
     facts = report["checkpoint"]
     out.print(", ".join(f"{k}: {v}" for k, v in facts.items() if k != "files"), highlight=False, soft_wrap=True)
+    family = report["family"]
+    out.print(f"family: {family['model_type'] or 'unknown'} ({'registered' if family['registered'] else 'not registered'}); "
+              f"layout: {family['layout']} — {family['detail']}", highlight=False, soft_wrap=True)
+    if family["unplaced"]:
+        few = family["unplaced"][:5]
+        more = f" and {len(family['unplaced']) - len(few)} more" if len(family["unplaced"]) > len(few) else ""
+        out.print(f"cannot place {len(family['unplaced'])} tensors: {', '.join(few)}{more}", highlight=False,
+                  soft_wrap=True)
     table = Table("group", "tensors", "bytes", "dtypes", "layouts")
     for group in report["groups"]:
         table.add_row(group["group"], str(group["tensors"]), f"{group['bytes']:,}", ", ".join(group["dtypes"]),
@@ -443,6 +452,7 @@ def inspect(
                   highlight=False, soft_wrap=True)
     if picture:
         out.print(f"picture: {picture}", highlight=False, soft_wrap=True)
+    refuse_unplaced(report)  # shown above, and a merge would stop on them: exit 2
 
 
 @app.command()

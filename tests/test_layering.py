@@ -103,7 +103,8 @@ def test_the_architecture_page_names_every_package_by_its_docstring():
     """docs/architecture.md collects each mergecore sub-package's first docstring line, and mergecore's top holds
     at most eight modules (the rest live in sub-packages)."""
     page = (ROOT / "docs" / "architecture.md").read_text()
-    packages = sorted(p.parent.name for p in (ROOT / "mergecore").glob("*/__init__.py"))
+    packages = sorted(p.parent.relative_to(ROOT / "mergecore").as_posix() for p in (ROOT / "mergecore").rglob("*/__init__.py"))
+    assert "formats/megatron" in packages  # sub-packages of sub-packages are collected too
     for package in packages:
         first = ast.get_docstring(ast.parse((ROOT / "mergecore" / package / "__init__.py").read_text())).splitlines()[0]
         assert f"| `{package}/` | {first} |" in page, package

@@ -18,7 +18,7 @@ import torch
 from mcore_real import (PARALLEL, PARALLEL_IDS, STEP, as_verl091, assert_logits_match, hf_tensors, needs_megatron,
                         parallel_save, tp1_save)
 from mergecore import merge_checkpoint, open_checkpoint
-from mergecore.formats.megatron_dist import MegatronDistCheckpoint
+from mergecore.formats.megatron.dist import MegatronDistCheckpoint
 from weights import load_folder
 
 pytestmark = needs_megatron

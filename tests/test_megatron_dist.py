@@ -19,7 +19,7 @@ import torch
 
 from mergecore import CheckpointError, VerificationError, compare_with_reference, merge_checkpoint
 from mergecore import open_checkpoint, prepare, verify_round_trip
-from mergecore.formats.megatron_dist import MegatronDistCheckpoint
+from mergecore.formats.megatron.dist import MegatronDistCheckpoint
 from ckptflow.testing.megatron_dist_fixtures import OPTIMIZER_KEY, write_dist_checkpoint
 from ckptflow.testing.megatron_fixtures import MegatronFixture
 from weights import load_folder

@@ -23,7 +23,7 @@ from mcore_real import (LAYOUTS as REAL_LAYOUTS, PARALLEL, PARALLEL_IDS, assert_
 from mergecore import CheckpointError, VerificationError, compare_with_reference, merge_checkpoint
 from mergecore import open_checkpoint, prepare, verify_round_trip
 from mergecore.numbers.arrays import dtype_of
-from mergecore.formats.megatron_legacy import MegatronLegacyCheckpoint
+from mergecore.formats.megatron.legacy import MegatronLegacyCheckpoint
 from weights import load_folder
 
 LAYOUTS = {"tp2": (2, 1, 1), "tp2-pp2": (2, 2, 1), "tp2-pp2-vpp2": (2, 2, 2)}  # re-sharder layouts
@@ -73,12 +73,12 @@ def one_line_error(excinfo) -> str:
 # ---- transforms ------------------------------------------------------------------------------
 
 def test_transform_and_check_docstrings():
-    import mergecore.formats.megatron_checks
+    import mergecore.formats.megatron.checks
     import mergecore.families.transforms
 
     assert doctest.testmod(mergecore.families.transforms).failed == 0
-    assert doctest.testmod(mergecore.formats.megatron_checks).attempted
-    assert doctest.testmod(mergecore.formats.megatron_checks).failed == 0
+    assert doctest.testmod(mergecore.formats.megatron.checks).attempted
+    assert doctest.testmod(mergecore.formats.megatron.checks).failed == 0
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

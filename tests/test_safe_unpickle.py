@@ -15,7 +15,7 @@ import torch
 from mergecore import CheckpointError
 from mergecore.numbers.arrays import to_numpy
 from mergecore.formats.fsdp import load_rank_file
-from mergecore.formats.megatron_legacy import load_model_file
+from mergecore.formats.megatron.legacy import load_model_file
 from mergecore.formats.torchfile import DTensorRecord
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from ..errors import CheckpointError
+from .registry import family_of
 
 # Shapes are tuples of derived config fields (see `dimensions`). `{}` is the layer index.
 DECODER_SHAPES: dict[str, tuple[str, ...]] = {
@@ -95,17 +96,13 @@ QWEN3_VL_VISION_SHAPES: dict[str, tuple[str | int, ...]] = {
     "visual.deepstack_merger_list.{}.norm.weight": ("vision_merged_size",),
     "visual.deepstack_merger_list.{}.norm.bias": ("vision_merged_size",),
 }
-# model_type -> the tables its Hub names come from. These families are checked strictly (a name in no
-# table fails); any other model type only has the DECODER_SHAPES names it uses checked.
-FAMILY_SHAPES: dict[str, tuple[dict, ...]] = {
-    **{dense: (DECODER_SHAPES,) for dense in ("llama", "qwen2", "qwen3", "mistral")},
-    "qwen2_moe": (DECODER_SHAPES, MOE_SHAPES),
-    "qwen3_moe": (DECODER_SHAPES, MOE_SHAPES),
-    "mixtral": (DECODER_SHAPES, MIXTRAL_SHAPES),
-    "qwen2_5_vl": (DECODER_SHAPES, QWEN2_5_VL_VISION_SHAPES),
-    "qwen3_vl": (DECODER_SHAPES, QWEN3_VL_VISION_SHAPES),
+# The tables by the names a family entry uses for them (`mergecore.families.registry`, which says which tables a
+# model_type's Hub names come from). Families with tables are checked strictly (a name in no table fails); any
+# other model type only has the DECODER_SHAPES names it uses checked.
+SHAPE_TABLES: dict[str, dict] = {
+    "decoder": DECODER_SHAPES, "moe": MOE_SHAPES, "mixtral": MIXTRAL_SHAPES,
+    "qwen2_5_vl_vision": QWEN2_5_VL_VISION_SHAPES, "qwen3_vl_vision": QWEN3_VL_VISION_SHAPES,
 }
-CHECKED_MODEL_TYPES = set(FAMILY_SHAPES)
 
 EMBEDDING = "model.embed_tokens.weight"
 OUTPUT = "lm_head.weight"
@@ -204,7 +201,7 @@ def tied_embeddings(config: dict) -> bool:
 
 def check_against_config(shapes: dict[str, tuple[int, ...]], config: dict, where: str, allow_unknown: bool = False) -> None:
     """Every tensor's shape must be what config.json says, and its layers, experts and vision blocks all be
-    there; unknown names fail for the families of FAMILY_SHAPES unless `allow_unknown` (names a user's
+    there; unknown names fail for the registered families with name tables unless `allow_unknown` (names a user's
     --custom-mapping vouches for). `where` names the config file in error messages.
 
     >>> check_against_config({"model.layers.0.mlp.gate.weight": (4, 8)}, {"model_type": "qwen3_moe",
@@ -214,9 +211,9 @@ def check_against_config(shapes: dict[str, tuple[int, ...]], config: dict, where
     mergecore.errors.CheckpointError: tensor model.layers.0.mlp.gate.weight has shape (4, 8) but hf/config.json implies (5, 8) (num_experts, hidden_size); the checkpoint and config.json are from different models (pass --hf_model_path with the right config)
     """
     model_type = config.get("model_type")
-    checked = model_type in CHECKED_MODEL_TYPES and not allow_unknown
-    tables = FAMILY_SHAPES.get(model_type, (DECODER_SHAPES,))
-    rows = shape_rows(*tables)
+    tables = family_tables(config)
+    checked = bool(tables) and not allow_unknown
+    rows = shape_rows(*(tables or (DECODER_SHAPES,)))
     unknown = check_shapes(shapes, config, where, rows)
     if checked and unknown:
         raise CheckpointError(
@@ -234,6 +231,19 @@ def check_against_config(shapes: dict[str, tuple[int, ...]], config: dict, where
         )
     check_expert_counts(shapes, config, where, where)
     _check_vision(shapes, config, where)
+
+
+def family_tables(config: dict) -> tuple[dict, ...]:
+    """The name tables of config.json's family in the registry (none for an unregistered one); a table name no
+    table has is a one-line error naming the known ones."""
+    family = family_of(config)
+    tables = []
+    for table in family.names if family else ():
+        if isinstance(table, str) and table not in SHAPE_TABLES:
+            raise CheckpointError(f"family {family.model_type!r}: no name table {table!r} (known: "
+                                  f"{', '.join(SHAPE_TABLES)}); fix its register_family call")
+        tables.append(SHAPE_TABLES[table] if isinstance(table, str) else dict(table))
+    return tuple(tables)
 
 
 def check_shapes(shapes: dict[str, tuple[int, ...]], config: dict, where: str, rows: dict | None = None,

@@ -10,7 +10,9 @@ norms, say): the first row is the canonical one (what the test fixtures write); 
 alternatives read as well. Layer indices in a Megatron file are local to its pipeline chunk; the
 reader shifts them to global ones.
 
-Add a family by adding a table; add a one-off parameter with `--custom-mapping FILE`:
+The families that use these rows, and so the table of each `model_type`, are registered in
+`mergecore.families.registry` (`register_family` adds one without a change here; see docs/adding-a-family.md);
+add a one-off parameter with `--custom-mapping FILE`:
 
     {"decoder.layers.{}.mlp.my_bias": ["model.layers.{}.mlp.my_bias", "replicated"]}
 """
@@ -95,16 +97,6 @@ VALUE_HEAD_ROWS: Table = {
     "output_layer.bias": ("score.bias", "replicated"),
 }
 
-TABLES: dict[str, Table] = {
-    "llama": {**EMBEDDING_ROWS, **ATTENTION_ROWS, **DENSE_MLP_ROWS, **HEAD_ROWS},
-    "mistral": {**EMBEDDING_ROWS, **ATTENTION_ROWS, **DENSE_MLP_ROWS, **HEAD_ROWS},
-    "qwen2": {**EMBEDDING_ROWS, **ATTENTION_ROWS, **QKV_BIAS_ROWS, **DENSE_MLP_ROWS, **HEAD_ROWS},
-    "qwen3": {**EMBEDDING_ROWS, **ATTENTION_ROWS, **QK_NORM_ROWS, **DENSE_MLP_ROWS, **HEAD_ROWS},
-    "qwen2_moe": {**EMBEDDING_ROWS, **ATTENTION_ROWS, **QKV_BIAS_ROWS, **MOE_ROWS, **SHARED_EXPERT_ROWS,
-                  **DENSE_MLP_ROWS, **HEAD_ROWS},
-    "qwen3_moe": {**EMBEDDING_ROWS, **ATTENTION_ROWS, **QK_NORM_ROWS, **MOE_ROWS, **DENSE_MLP_ROWS, **HEAD_ROWS},
-}
-
 # Parameters that are not weights: never mapped, never merged.
 SKIPPED = re.compile(r"(?:^|\.)_extra_state$|(?:^|\.)rotary_pos_emb\.inv_freq$")
 
@@ -142,36 +134,28 @@ def freeze(table: Table) -> tuple:
     return tuple((p, (hf,) if isinstance(hf, str) else tuple(hf), kind) for p, (hf, kind) in table.items())
 
 
-def table_for(config: dict, custom: Table | None = None, value_model: bool = False) -> Table:
-    """The table for config.json's `model_type`, custom rows first; a value model maps the output layer to `score`."""
-    model_type = config.get("model_type")
-    base = TABLES.get(model_type)
-    if base is None and not custom:
-        raise CheckpointError(
-            f"model_type {model_type!r} has no Megatron mapping table (known: {', '.join(TABLES)}); "
-            "pass --custom-mapping FILE with its parameter names"
-        )
-    table = dict(custom or {})
-    for pattern, row in (base or {}).items():
-        if value_model and pattern in HEAD_ROWS and pattern.startswith("output_layer"):
-            continue
-        table.setdefault(pattern, row)
-    if value_model:
-        for pattern, row in VALUE_HEAD_ROWS.items():
-            table.setdefault(pattern, row)
-    return table
+def find(key: str, table: Table) -> Mapped | None:
+    """The row `key` matches (first match wins), or None.
 
-
-def resolve(key: str, table: Table, where: str = "") -> Mapped:
-    """The row `key` matches (first match wins), or a one-line CheckpointError naming the key."""
+    >>> find("decoder.layers.3.self_attention.linear_proj.weight", ATTENTION_ROWS).hf_names()
+    ('model.layers.3.self_attn.o_proj.weight',)
+    """
     for regex, pattern, hf, kind in _compiled(freeze(table)):
         match = regex.match(key)
         if match:
             return Mapped(pattern, hf, kind, tuple(int(g) for g in match.groups()))
+    return None
+
+
+def resolve(key: str, table: Table, where: str = "") -> Mapped:
+    """The row `key` matches (first match wins), or a one-line CheckpointError naming the key."""
+    mapped = find(key, table)
+    if mapped is not None:
+        return mapped
     raise CheckpointError(
         f"{where + ': ' if where else ''}parameter {key} has no Hugging Face name in the mapping table; "
         f"map it with --custom-mapping FILE (JSON or YAML: {{\"<megatron pattern with {{}}>\": "
-        "[\"<hf pattern>\", \"column|row|replicated|vocab|qkv|gated\"]})"
+        f"[\"<hf pattern>\", \"{'|'.join(KINDS)}\"]}})"
     )
 
 
@@ -193,25 +177,36 @@ def load_custom_mapping(path: str) -> Table:
             data = json.loads(text)
     except Exception as err:  # noqa: BLE001 - any parse error is the user's file
         raise CheckpointError(f"--custom-mapping {path}: cannot be parsed ({str(err).splitlines()[0]})") from None
+    return parse_rows(data, f"--custom-mapping {path}")
+
+
+def parse_rows(data, where: str) -> Table:
+    """Table rows given as data (a custom-mapping file's, or a family's registered with
+    `mergecore.families.registry.register_family`), checked: `{megatron pattern: [hf pattern(s), kind]}` or
+    `{megatron pattern: {"hf": ..., "kind": ...}}`; `where` leads each one-line error.
+
+    >>> parse_rows({"decoder.layers.{}.mlp.my_bias": ["model.layers.{}.mlp.my_bias", "replicated"]}, "mapping")
+    {'decoder.layers.{}.mlp.my_bias': ('model.layers.{}.mlp.my_bias', 'replicated')}
+    """
     if not isinstance(data, dict):
-        raise CheckpointError(f"--custom-mapping {path}: must map Megatron patterns to [hf pattern, kind]")
+        raise CheckpointError(f"{where}: must map Megatron patterns to [hf pattern, kind]")
     table: Table = {}
     for pattern, row in data.items():
         if not isinstance(pattern, str):  # YAML keys may be numbers, lists...
-            raise CheckpointError(f"--custom-mapping {path}: key {pattern!r} is not a Megatron name pattern (text)")
+            raise CheckpointError(f"{where}: key {pattern!r} is not a Megatron name pattern (text)")
         if isinstance(row, dict):
             row = [row.get("hf"), row.get("kind")]
         if not (isinstance(row, (list, tuple)) and len(row) == 2 and isinstance(row[1], str) and row[1] in KINDS
-                and (isinstance(row[0], str) or (isinstance(row[0], list) and all(isinstance(h, str) for h in row[0])))):
+                and (isinstance(row[0], str) or (isinstance(row[0], (list, tuple))
+                                                 and all(isinstance(h, str) for h in row[0])))):
             raise CheckpointError(
-                f"--custom-mapping {path}: entry {pattern!r} must be [hf pattern (or list), kind] with kind one of "
-                f"{', '.join(KINDS)}"
+                f"{where}: entry {pattern!r} must be [hf pattern (or list), kind] with kind one of {', '.join(KINDS)}"
             )
         hf = row[0] if isinstance(row[0], str) else tuple(row[0])
         for name in (hf,) if isinstance(hf, str) else hf:
             if name.count("{}") != pattern.count("{}"):
                 raise CheckpointError(
-                    f"--custom-mapping {path}: entry {pattern!r} -> {name!r} has a different number of {{}} placeholders"
+                    f"{where}: entry {pattern!r} -> {name!r} has a different number of {{}} placeholders"
                 )
         table[str(pattern)] = (hf, row[1])
     return table

@@ -359,24 +359,30 @@ class ReplicatedGatedMLP(GatedMLP):
         return (piece_shape[0] // 2, *piece_shape[1:])
 
 
+def _qkv(config: dict) -> FusedQKV:
+    heads = int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    return FusedQKV(heads, kv, head_dim)
+
+
+# A mapping table's transform kinds, each with how to build it from a Hugging Face config: the one list of them.
+KINDS = {
+    "column": lambda config: ColumnParallel(),
+    "row": lambda config: RowParallel(),
+    "replicated": lambda config: Replicated(),
+    "gated": lambda config: GatedMLP(),
+    "vocab": lambda config: VocabParallel(int(config["vocab_size"])),
+    "qkv": _qkv,
+}
+
+
 def make_transform(kind: str, config: dict) -> Transform:
-    """The transform a mapping table's `kind` names, sized from a Hugging Face config."""
-    if kind == "column":
-        return ColumnParallel()
-    if kind == "row":
-        return RowParallel()
-    if kind == "replicated":
-        return Replicated()
-    if kind == "gated":
-        return GatedMLP()
-    if kind == "vocab":
-        return VocabParallel(int(config["vocab_size"]))
-    if kind == "qkv":
-        heads = int(config["num_attention_heads"])
-        kv = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
-        return FusedQKV(heads, kv, head_dim)
-    raise ValueError(f"unknown transform kind {kind!r} (column, row, replicated, gated, vocab, qkv)")
+    """The transform a mapping table's `kind` names, sized from a Hugging Face config.
 
-
-KINDS = ("column", "row", "replicated", "gated", "vocab", "qkv")
+    >>> make_transform("qkv", {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}).group_rows
+    64
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown transform kind {kind!r} ({', '.join(KINDS)})")
+    return KINDS[kind](config)

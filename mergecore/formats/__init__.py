@@ -22,8 +22,8 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 # Readers are imported only when chosen: the Megatron ones need torch, the FSDP one does not.
 FORMATS = {
     "fsdp": (has_rank_files, "fsdp:FsdpCheckpoint"),
-    "megatron_legacy": (has_mp_rank_folders, "megatron_legacy:MegatronLegacyCheckpoint"),
-    "megatron_dist": (has_dist_ckpt, "megatron_dist:MegatronDistCheckpoint"),
+    "megatron_legacy": (has_mp_rank_folders, "megatron.legacy:MegatronLegacyCheckpoint"),
+    "megatron_dist": (has_dist_ckpt, "megatron.dist:MegatronDistCheckpoint"),
 }
 # --backend values: verl's `megatron` covers both of its Megatron layouts (dist_ckpt is its default).
 BACKENDS = {"fsdp": ("fsdp",), "megatron": ("megatron_legacy", "megatron_dist"),

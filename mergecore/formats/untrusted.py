@@ -526,7 +526,7 @@ def _dcp_record(name: str, **defaults) -> type:
     return type(name, (Record,), {"__module__": "dcp", **defaults})
 
 
-# The classes megatron_dist checks a loaded `.metadata` against, by their torch names.
+# The classes formats.megatron.dist checks a loaded `.metadata` against, by their torch names.
 DCP_RECORDS: dict[str, type] = {
     "Metadata": _dcp_record("Metadata", planner_data=None, storage_meta=None, version=None),
     "TensorStorageMetadata": _dcp_record("TensorStorageMetadata"),
@@ -547,7 +547,7 @@ def _dcp_size(dims=()) -> tuple[int, ...]:
     dims = tuple(dims)
     if not all(type(d) is int and 0 <= d < 2 ** 63 for d in dims):
         raise Refused(f"torch.Size {dims} has a negative or non-integer size")
-    return dims  # bounded by the data files' sizes once loaded: see megatron_dist
+    return dims  # bounded by the data files' sizes once loaded: see formats.megatron.dist
 
 
 def _dcp_metadata_records() -> dict[tuple[str, str], object]:

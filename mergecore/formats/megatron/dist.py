@@ -1,6 +1,6 @@
 """Megatron dist_ckpt checkpoints (torch_dist backend), read without megatron-core and without a process group.
 
-Long (~660 lines): dist_ckpt's metadata, its stacked and per-layer keys, and the chunk views that stream a
+Long (~630 lines): dist_ckpt's metadata, its stacked and per-layer keys, and the chunk views that stream a
 layer's rows are one reader.
 
 Layouts found from the role folder (`.../global_step_N/actor`):
@@ -45,18 +45,19 @@ from functools import cached_property
 
 import numpy as np
 
-from ..errors import CheckpointError
-from ..families.megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
-from ..storage import Location, RangeFile, fetch_ranges
-from ..storage.tensorio import read_json
-from ..numbers.arrays import element_size, numpy_dtype
-from ..families.transforms import Transform, VocabParallel, make_transform
-from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
-from . import torchfile
-from .detect import DIST_METADATA_FILE, dist_ckpt_dir
-from .fetching import FetchesByGroup
-from .megatron_checks import check_layers, check_moe
-from .untrusted import DCP_METADATA, DCP_RECORDS, AllowListUnpickler, Refused, check_plain_fields
+from ...errors import CheckpointError
+from ...families.megatron_maps import SKIPPED, Mapped, resolve
+from ...storage import Location, RangeFile, fetch_ranges
+from ...storage.tensorio import read_json
+from ...numbers.arrays import element_size, numpy_dtype
+from ...families.transforms import Transform
+from ..base import CheckpointSource, Piece, TensorInfo
+from .. import torchfile
+from ..detect import DIST_METADATA_FILE, dist_ckpt_dir
+from ..fetching import FetchesByGroup
+from .checks import check_layers, check_moe
+from .common import MegatronReader
+from ..untrusted import DCP_METADATA, DCP_RECORDS, AllowListUnpickler, Refused, check_plain_fields
 
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "encoder.", "mtp.")
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
@@ -196,7 +197,7 @@ class Entry:
     mapped: Mapped
 
 
-class MegatronDistCheckpoint(FetchesByGroup, CheckpointSource):
+class MegatronDistCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource):
     format_name = "verl-megatron-dist"
 
     def __init__(self, location: Location, hf_dir: Location | None = None, step: int | None = None,
@@ -233,10 +234,6 @@ class MegatronDistCheckpoint(FetchesByGroup, CheckpointSource):
                 "checkpoints with megatron-core's dist_checkpointing first)"
             )
         self.backend_info = info
-
-    @cached_property
-    def config(self) -> dict:
-        return read_hf_config(self)
 
     @cached_property
     def _tensor_keys(self) -> dict[str, object]:
@@ -281,28 +278,11 @@ class MegatronDistCheckpoint(FetchesByGroup, CheckpointSource):
                 slices.append(Slice(key, (), name, shape, dtype, position))
         return slices
 
-    def _is_value_model(self) -> bool:
-        architectures = self.config.get("architectures") or [""]
-        if str(architectures[0]).endswith(("ForTokenClassification", "ForSequenceClassification")):
-            return True
-        vocab = self.config.get("vocab_size")
-        for s in self._slices:
-            if s.legacy_key == "output_layer.weight":
-                return s.shape[0] == 1 and vocab is not None and int(vocab) > 1
-        return False
+    def saved_parameters(self) -> dict[str, str]:
+        return {s.legacy_key: s.key for s in self._slices}
 
-    @cached_property
-    def _table(self):
-        custom = load_custom_mapping(self.custom_mapping) if self.custom_mapping else None
-        return table_for(self.config, custom, self._is_value_model())
-
-    def _make_transform(self, mapped: Mapped, s: Slice) -> Transform:
-        try:
-            if mapped.kind == "vocab":
-                return VocabParallel(int(self.config["vocab_size"]), padded_size=s.shape[0])
-            return make_transform(mapped.kind, self.config)
-        except (KeyError, ValueError) as err:
-            raise CheckpointError(f"{self.hf_dir.join('config.json')}: cannot size a {mapped.kind} tensor ({err})") from None
+    def _output_rows(self) -> int | None:
+        return next((s.shape[0] for s in self._slices if s.legacy_key == "output_layer.weight"), None)
 
     @cached_property
     def _entries(self) -> dict[str, Entry]:
@@ -311,13 +291,8 @@ class MegatronDistCheckpoint(FetchesByGroup, CheckpointSource):
         seen: dict[str, Slice] = {}
         for s in self._slices:
             mapped = resolve(s.legacy_key, self._table, f"{shown}: {s.key}")
-            transform = self._make_transform(mapped, s)
-            names = mapped.hf_names()
-            if len(names) != len(transform.parts):
-                raise CheckpointError(
-                    f"{shown}: {s.key} maps to {len(names)} Hugging Face names but a {mapped.kind} tensor holds "
-                    f"{len(transform.parts)} ({', '.join(transform.parts)}); fix the mapping"
-                )
+            transform = self._make_transform(mapped, s.shape)
+            names = self.hf_names(mapped, transform, shown, s.key)
             for order, (part, name) in enumerate(zip(transform.parts, names)):
                 if name in seen:
                     raise CheckpointError(
@@ -595,7 +570,7 @@ class MegatronDistCheckpoint(FetchesByGroup, CheckpointSource):
     @cached_property
     def common(self) -> dict:
         """`common.pt` (non-sharded state: iteration, args...), through the Megatron allow-list."""
-        from .megatron_legacy import load_model_file
+        from .legacy import load_model_file
 
         location = self.dist_dir.join("common.pt")
         if not location.exists():

@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-from ..errors import CheckpointError
-from ..families.layout import MOE_SHAPES, check_expert_counts, check_shapes, layer_index, shape_rows
-from .base import TensorInfo
+from ...errors import CheckpointError
+from ...families.layout import MOE_SHAPES, check_expert_counts, check_shapes, layer_index, shape_rows
+from ..base import TensorInfo
 
 __all__ = ["check_layers", "check_moe"]
 

@@ -1,7 +1,7 @@
 """verl's legacy Megatron checkpoints: `<role>/model/mp_rank_TT[_PPP]/model.pt`, read without megatron-core.
 
-Long (~550 lines): the legacy layout's discovery, its per-rank pieces and their TP/PP/VPP placement are one
-reader; the Megatron name tables and transforms are data in `families/`.
+Long (~530 lines): the legacy layout's discovery, its per-rank pieces and their TP/PP/VPP placement are one
+reader; the Megatron name tables and transforms are data in `families/`, what both readers share in `common.py`.
 
 Each `model.pt` holds one TP x PP rank's model state, as a list of per-virtual-pipeline-chunk state
 dicts (verl). Also read: a dict with `"model"` (a state dict or a list) or `"model0"`, `"model1"`...
@@ -20,7 +20,6 @@ merged output and compares it with every saved piece, bit for bit.
 from __future__ import annotations
 
 import dataclasses
-import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -29,19 +28,20 @@ from functools import cached_property
 
 import numpy as np
 
-from ..errors import CheckpointError
-from ..families.layout import dimensions
-from ..families.megatron_maps import SKIPPED, Mapped, load_custom_mapping, resolve, table_for
-from ..storage import Location, RangeFile, fetch_ranges
-from ..numbers.arrays import bitwise_equal, dtype_of
-from ..families.transforms import Replicated, ReplicatedGatedMLP, Transform, VocabParallel, make_transform
-from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
-from .detect import MP_RANK_DIR
-from .fetching import FetchesByGroup
-from . import torchfile
-from .torchfile import fetch_archive_metadata, member_span
-from .megatron_checks import check_layers, check_moe
-from .untrusted import Record, megatron_file
+from ...errors import CheckpointError
+from ...families.layout import dimensions
+from ...families.megatron_maps import SKIPPED, Mapped, resolve
+from ...storage import Location, RangeFile, fetch_ranges
+from ...numbers.arrays import bitwise_equal, dtype_of
+from ...families.transforms import Transform
+from ..base import CheckpointSource, Piece, TensorInfo
+from ..detect import MP_RANK_DIR
+from ..fetching import FetchesByGroup
+from .. import torchfile
+from ..torchfile import fetch_archive_metadata, member_span
+from .checks import check_layers, check_moe
+from .common import MegatronReader
+from ..untrusted import Record, megatron_file
 
 MODEL_FILE = "model.pt"
 
@@ -163,7 +163,7 @@ class Entry:
     ranks: tuple[int, ...] = ()  # the TP ranks holding it (one expert-parallel rank's experts); () = all
 
 
-class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
+class MegatronLegacyCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource):
     format_name = "verl-megatron-legacy"
 
     def __init__(self, location: Location, hf_dir: Location | None = None, step: int | None = None,
@@ -292,10 +292,6 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
         return [self._piece(t, self._entries[name]) for name in names for t in self._ranks(self._entries[name])]
 
     @cached_property
-    def config(self) -> dict:
-        return read_hf_config(self)
-
-    @cached_property
     def vpp(self) -> int:
         sizes = {(t, p): len(self.chunks(t, p)) for p in range(self.pp) for t in range(self.tp)}
         first = sizes[(0, 0)]
@@ -311,19 +307,12 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
         """(pp rank, virtual stage) of every model chunk, in model order."""
         return [(p, v) for v in range(self.vpp) for p in range(self.pp)]
 
-    def _is_value_model(self) -> bool:
-        architectures = self.config.get("architectures") or [""]
-        if str(architectures[0]).endswith(("ForTokenClassification", "ForSequenceClassification")):
-            return True
-        last = self.chunks(0, self.pp - 1)[-1]
-        output = last.get("output_layer.weight")
-        vocab = self.config.get("vocab_size")
-        return output is not None and output.shape[0] == 1 and vocab is not None and int(vocab) > 1
+    def saved_parameters(self) -> dict[str, str]:
+        return {key: key for p, v in self.chunk_order() for key in self.chunks(0, p)[v]}
 
-    @cached_property
-    def _table(self):
-        custom = load_custom_mapping(self.custom_mapping) if self.custom_mapping else None
-        return table_for(self.config, custom, self._is_value_model())
+    def _output_rows(self) -> int | None:
+        output = self.chunks(0, self.pp - 1)[-1].get("output_layer.weight")
+        return None if output is None else output.shape[0]
 
     @cached_property
     def _layer_spans(self) -> dict[tuple[int, int], tuple[int, int]]:
@@ -367,23 +356,6 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
             offset += count
         return shifts
 
-    def _make_transform(self, mapped: Mapped, piece: np.ndarray, tp: int) -> Transform:
-        """How the `tp` ranks holding `mapped` split it (TP size, or the ranks sharing one expert-parallel rank)."""
-        kind = mapped.kind
-        try:
-            if kind == "vocab":
-                return VocabParallel(int(self.config["vocab_size"]), padded_size=piece.shape[0] * self.tp)
-            moe = self.config.get("moe_intermediate_size")
-            if tp > 1 and ".mlp.experts." in mapped.pattern and isinstance(moe, int) and kind in ("gated", "row"):
-                # expert_tensor_parallel_size=1: every TP rank holds whole experts
-                if kind == "gated" and piece.shape[0] == 2 * moe:
-                    return ReplicatedGatedMLP()
-                if kind == "row" and piece.ndim == 2 and piece.shape[1] == moe:
-                    return Replicated()
-            return make_transform(kind, self.config)
-        except (KeyError, ValueError) as err:
-            raise CheckpointError(f"{self.hf_dir.join('config.json')}: cannot size a {kind} tensor ({err})") from None
-
     @cached_property
     def _entries(self) -> dict[str, Entry]:
         entries: dict[str, Entry] = {}
@@ -398,19 +370,14 @@ class MegatronLegacyCheckpoint(FetchesByGroup, CheckpointSource):
                 if self._expert_rank and is_expert_row(mapped):
                     placements = self._expert_placements(p, v, indices, shown)
                 for where, ranks in placements:
-                    transform = self._make_transform(mapped, value, len(ranks) or self.tp)
+                    transform = self._make_transform(mapped, tuple(value.shape), len(ranks) or self.tp)
                     self._add_entries(entries, Entry("", p, v, key, "", transform, mapped, ranks), where, shown)
         return entries
 
     def _add_entries(self, entries: dict[str, Entry], template: Entry, indices: tuple[int, ...], shown: str) -> None:
         """One entry per part of `template`'s Megatron key, named with `indices` (global layer, expert)."""
         mapped, transform = template.mapped, template.transform
-        names = mapped.hf_names(indices)
-        if len(names) != len(transform.parts):
-            raise CheckpointError(
-                f"{shown}: {template.key} maps to {len(names)} Hugging Face names but a {mapped.kind} tensor holds "
-                f"{len(transform.parts)} ({', '.join(transform.parts)}); fix the mapping"
-            )
+        names = self.hf_names(mapped, transform, shown, template.key, indices)
         for part, name in zip(transform.parts, names):
             if name in entries:
                 other = entries[name]

@@ -1,0 +1,1 @@
+"""Megatron checkpoints read without megatron-core: verl's legacy `mp_rank_*` files and dist_ckpt, on one common base."""
