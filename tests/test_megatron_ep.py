@@ -18,8 +18,8 @@ import torch
 from mcore_real import (EP_LAYOUTS, STEP, assert_logits_match, ep_role, hf_tensors, megatron_expert_placement,
                         needs_megatron, tp1_save)
 from mergecore import CheckpointError, merge_checkpoint, open_checkpoint
-from mergecore.formats.megatron_dist import MegatronDistCheckpoint, load_dcp_metadata
-from mergecore.formats.megatron_legacy import MegatronLegacyCheckpoint
+from mergecore.formats.megatron.dist import MegatronDistCheckpoint, load_dcp_metadata
+from mergecore.formats.megatron.legacy import MegatronLegacyCheckpoint
 from mergecore.storage import Location
 from weights import load_folder
 
