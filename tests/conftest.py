@@ -35,7 +35,7 @@ FAMILIES = {
     "qwen3_vl": DemoSpec(arch="qwen3_vl"),
     "gemma3_text": DemoSpec(arch="gemma3_text"),
     "qwen3_next": DemoSpec(arch="qwen3_next"),
-    "sarvam_moe": DemoSpec(arch="sarvam_moe"),  # q/k/v joined into one saved tensor: tests/test_hub_boxes.py
+    "sarvam_moe": DemoSpec(arch="sarvam_moe"),  # q/k/v joined into one saved tensor: tests/core/views/test_hub_boxes.py
     "lora-full": DemoSpec(lora=True),
     "lora-only": DemoSpec(lora=True, lora_only=True),
     "lora-moe": DemoSpec(arch="qwen3_moe", lora=True),

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import socket
+import struct
+import zipfile
 from collections import defaultdict
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent  # the repository root, whatever folder a test sits in
 
 
 def free_port() -> int:
@@ -70,3 +75,24 @@ def assert_refused(result, target: Path, *fragments: str) -> None:
         assert fragment in message, message
     assert not target.exists()
     assert not list(target.parent.glob(f".{target.name}.ckptflow-*"))
+
+
+def damage_tensor_member(path: Path, offset: int = 0, length: int | None = None) -> str:
+    """Overwrite 4 bytes in the middle of the largest tensor member (`.../data/N`) of the torch.save archive at
+    `offset` of `path`, in place (the zip directory keeps the CRC-32 torch recorded); returns the member's name.
+    The reproduced defect: such a file merged with rc 0 and "round-trip ok"."""
+    data = path.read_bytes()
+    item = data[offset:len(data) if length is None else offset + length]
+    infos = [i for i in zipfile.ZipFile(io.BytesIO(item)).infolist() if "/data/" in i.filename]
+    info = max(infos, key=lambda i: i.file_size)
+    name_length, extra_length = struct.unpack_from("<HH", item, info.header_offset + 26)
+    where = offset + info.header_offset + 30 + name_length + extra_length + info.file_size // 2
+    with open(path, "r+b") as f:
+        f.seek(where)
+        f.write(bytes(b ^ 0x5A for b in data[where:where + 4]))
+    return info.filename
+
+
+def damaged_fsdp(ckpt) -> tuple[Path, str]:
+    path = ckpt.role_dir / "model_world_size_2_rank_0.pt"
+    return path, damage_tensor_member(path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from helpers import REPO
 import os
 import re
 
@@ -209,7 +210,6 @@ from pathlib import Path  # noqa: E402
 
 from helpers import free_port  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 PREFECT = Path(sys.executable).with_name("prefect")
 
 

@@ -6,6 +6,7 @@ left behind (the staging folder, the embedded server's uvicorn process).
 
 from __future__ import annotations
 
+from helpers import REPO
 import os
 import signal
 import subprocess
@@ -16,7 +17,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
 STARTUP_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 
 

@@ -3,12 +3,13 @@ mergecore never imports Prefect, tasks or flows; no package has an import circle
 
 from __future__ import annotations
 
+from helpers import REPO
 import ast
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 PACKAGES = {"mergecore": "mergecore", "tasks": "ckptflow.tasks", "flows": "ckptflow.flows"}
 
 

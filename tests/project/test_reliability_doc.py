@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from helpers import REPO
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 
 def test_every_case_names_tests_that_exist():

@@ -3,6 +3,7 @@ as `--help` prints it), and the README's Python example runs as written."""
 
 from __future__ import annotations
 
+from helpers import REPO
 import re
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import typer
 
 from ckptflow.flows.cli import app
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 

@@ -7,6 +7,7 @@ the child, and kills are SIGKILL to the whole process group (the embedded Prefec
 
 from __future__ import annotations
 
+from helpers import REPO
 import json
 import os
 import random
@@ -24,7 +25,7 @@ from mergecore import CheckpointError, merge_checkpoint
 from mergecore.engine.writer import check_free_space
 
 PYTHON = sys.executable
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 MANIFEST = "ckptflow_manifest.json"
 
 

@@ -8,6 +8,7 @@ damaged or odd inputs: file variants, renumbered layers, missing ranks, bad shap
 
 from __future__ import annotations
 
+from helpers import REPO
 import doctest
 import json
 import shutil
@@ -461,7 +462,7 @@ def test_merge_imports_no_torch_and_streams_within_a_tiny_budget(mcore, tmp_path
             "from mergecore import merge_checkpoint\n"
             f"merge_checkpoint({str(ckpt.role_dir)!r}, {str(tmp_path / 'out')!r}, dtype='keep')\n"
             "print(json.dumps('torch' in sys.modules))\n")
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     env = {**os.environ, "CKPTFLOW_CHUNK_BYTES": "4KB", "PYTHONPATH": str(root)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from helpers import REPO
 import importlib
 import inspect
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-SPEC = yaml.safe_load((Path(__file__).parents[1] / "deployments" / "prefect.yaml").read_text())
+SPEC = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
 
 
 def flow_of(entrypoint: str):
@@ -47,7 +48,7 @@ def test_promote_latest_is_scheduled_but_inactive_until_configured():
         assert CronSchedule(cron=schedule["cron"], timezone=schedule["timezone"]).cron == schedule["cron"]
 
 
-POOLS = Path(__file__).parents[1] / "deployments" / "pools"
+POOLS = REPO / "deployments" / "pools"
 GPU_VALUES = {"kubernetes-gpu": {"image": "ghcr.io/acme/ckptflow:1", "target_root_claim": "models"},
               "docker-gpu": {"image": "ghcr.io/acme/ckptflow:1", "volumes": ["/srv/models:/models"]}}
 
@@ -138,7 +139,6 @@ def test_trigger_templates_render_with_and_without_each_field(given):
                         **{field: OPTIONAL[field] if field in given else None for field in OPTIONAL}}
 
 
-REPO = Path(__file__).parents[1]
 GPU_ENV = {"CKPTFLOW_IMAGE_NAME": "ghcr.io/acme/ckptflow", "CKPTFLOW_IMAGE_TAG": "1-cuda"}
 
 

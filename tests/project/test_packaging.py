@@ -3,6 +3,7 @@ namespace, every source module of the mapped folders included, and a torch requi
 
 from __future__ import annotations
 
+from helpers import REPO
 import subprocess
 import sys
 import zipfile
@@ -10,7 +11,6 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-REPO = Path(__file__).resolve().parents[1]
 MAPPED = {"mergecore": "mergecore", "flows": "ckptflow/flows", "tasks": "ckptflow/tasks",
           "ckptflow_testing": "ckptflow/testing"}
 

@@ -8,6 +8,7 @@ odd files, damaged metadata.
 
 from __future__ import annotations
 
+from helpers import REPO
 import json
 import os
 import pickle
@@ -141,7 +142,7 @@ def test_metadata_is_read_without_torch(dist):
             "print(json.dumps({k: [list(v.size), v.properties.dtype, [[list(c.offsets), list(c.sizes)] for c in v.chunks]]\n"
             "                  for k, v in md.state_dict_metadata.items() if hasattr(v, 'chunks')}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[1]).stdout
+                         cwd=REPO).stdout
     expected = FileSystemReader(str(folder)).read_metadata()  # plain pickle: fine for our own fixture
     assert json.loads(out) == {
         key: [list(md.size), str(md.properties.dtype).removeprefix("torch."),
@@ -327,7 +328,7 @@ def merge_in_a_fresh_process(role_dir: Path, out: Path, chunk_bytes: str) -> lis
             "from mergecore import merge_checkpoint\n"
             f"merge_checkpoint({str(role_dir)!r}, {str(out)!r}, dtype='keep')\n"
             "print(json.dumps(sorted(m for m in ('torch', 'ml_dtypes', 'transformers') if m in sys.modules)))\n")
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     env = {**os.environ, "CKPTFLOW_CHUNK_BYTES": chunk_bytes, "PYTHONPATH": str(root)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from helpers import REPO
 import re
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).parents[1] / "bench" / "gpu_check.py"
+SCRIPT = REPO / "bench" / "gpu_check.py"
 HAS_CUDA = torch.cuda.is_available()
 
 

@@ -4,6 +4,7 @@ stops in one line naming both fixes. Expected values: the Megatron fixture's `sa
 
 from __future__ import annotations
 
+from helpers import REPO
 import json
 import re
 from pathlib import Path
@@ -15,7 +16,7 @@ from mergecore import CheckpointError, compare_with_reference, merge_checkpoint
 from mergecore.families.layout import check_against_config
 from mergecore.families.registry import family_of, forget_family, register_family
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 DOC = ROOT / "docs" / "adding-a-family.md"
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import copy_run
+from helpers import damage_tensor_member, damaged_fsdp
 
 from ckptflow.testing.megatron_dist_fixtures import write_dist_checkpoint
 from ckptflow.testing.megatron_fixtures import write_megatron_checkpoint
@@ -677,27 +678,6 @@ def test_hostile_indexes_are_refused(case, demo, cli, tmp_path):
 
 
 # ---- damaged bytes: every member a merge reads is checked against the CRC-32 torch.save recorded ------
-
-def damage_tensor_member(path: Path, offset: int = 0, length: int | None = None) -> str:
-    """Overwrite 4 bytes in the middle of the largest tensor member (`.../data/N`) of the torch.save archive at
-    `offset` of `path`, in place (the zip directory keeps the CRC-32 torch recorded); returns the member's name.
-    The reproduced defect: such a file merged with rc 0 and "round-trip ok"."""
-    data = path.read_bytes()
-    item = data[offset:len(data) if length is None else offset + length]
-    infos = [i for i in zipfile.ZipFile(io.BytesIO(item)).infolist() if "/data/" in i.filename]
-    info = max(infos, key=lambda i: i.file_size)
-    name_length, extra_length = struct.unpack_from("<HH", item, info.header_offset + 26)
-    where = offset + info.header_offset + 30 + name_length + extra_length + info.file_size // 2
-    with open(path, "r+b") as f:
-        f.seek(where)
-        f.write(bytes(b ^ 0x5A for b in data[where:where + 4]))
-    return info.filename
-
-
-def damaged_fsdp(ckpt) -> tuple[Path, str]:
-    path = ckpt.role_dir / "model_world_size_2_rank_0.pt"
-    return path, damage_tensor_member(path)
-
 
 def damaged_legacy(ckpt) -> tuple[Path, str]:
     path = ckpt.role_dir / "model" / "mp_rank_00" / "model.pt"

@@ -109,7 +109,7 @@ def test_truncated_cached_copy_is_fetched_again(s3_env, demo, tmp_path):
 def test_damaged_rank_file_on_s3_is_refused_by_its_crc(s3_env, demo, cli, tmp_path):
     """Bytes fetched by range are checked like local ones: a rank file with 4 bytes of a tensor member
     overwritten (its zip directory keeps torch's CRC-32) is refused in one line naming the URL and member."""
-    from test_hostile_files import damaged_fsdp
+    from helpers import damaged_fsdp
 
     from conftest import copy_run
 
