@@ -148,8 +148,9 @@ def int_group_dequantize(packed: np.ndarray, scales: np.ndarray, bits: int) -> n
 
 
 def int_group_bound(rows: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
-    """Half a step of the stored scale, plus what the scale's own rounding (at most 2^-8 relative, bf16) can push
-    past the clamp at the range's ends."""
+    """Per group [r, c/128]: half a step of the stored scale, plus what the scale's own rounding (at most 2^-8
+    relative, bf16) can push past the clamp at the range's ends, plus float32 rounding of the group's largest x."""
     r, c = rows.shape
-    step = cast(scales, "float32")[:, :, None] * np.float32(0.5 + (1 << bits) * 2.0 ** -9)
-    return (np.abs(rows).reshape(r, c // GROUP, GROUP) * np.float32(2.0 ** -20) + step).reshape(r, c)
+    groups = rows.reshape(r, c // GROUP, GROUP)
+    amax = np.maximum(groups.max(axis=2), -groups.min(axis=2))
+    return cast(scales, "float32") * np.float32(0.5 + (1 << bits) * 2.0 ** -9) + amax * np.float32(2.0 ** -20)
