@@ -42,6 +42,10 @@ LORA_R = typer.Option(None, "--lora-r", "--lora_r", help="LoRA rank (default: th
 TARGET_MODULES = typer.Option(None, "--target-modules", "--target_modules", help="LoRA target modules, comma separated (default: the adapted modules found).")
 BASE_MODEL = typer.Option(None, "--base-model", "--base_model", help="save_lora_only checkpoints: fuse the adapter into this base model (local HF folder or Hub repo id; safetensors only).")
 LORA_OUTPUT = typer.Option(None, "--lora", help="LoRA checkpoints: both (default: the fused model, W + (alpha/r)·B·A, with the PEFT adapter in lora_adapter/), fuse, or adapter (the PEFT folder alone; the only output of save_lora_only without --base-model).")
+QUANTIZE = typer.Option(None, "--quantize", help="Publish quantized: fp8-block (e4m3, 128x128 block scales), w8a16 or "
+                        "w4a16 (compressed-tensors pack-quantized, group 128); decoder Linear weights only (docs/quantization.md).")
+QUANTIZE_IGNORE = typer.Option(None, "--quantize-ignore", help="With --quantize: keep modules matching this pattern "
+                               "unquantized (fnmatch on the module name, e.g. '*.layers.0.*'); repeatable.")
 NONFINITE_HELP = "NaN/Inf in the converted weights: fail (exit 2, nothing published) or warn (publish, list them in the manifest)."
 CPU_INIT = typer.Option(False, "--use_cpu_initialization", "--use-cpu-initialization", hidden=True, help="Accepted for verl compatibility; ckptflow always merges on CPU.")
 
@@ -169,14 +173,15 @@ def _progress(unit: str = "groups") -> Progress:
 
 def run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size, tie, is_value_model,
               overwrite, verify, check_replicas, workers, custom_mapping=None, on_nonfinite="warn", lora=None,
-              source=None) -> dict:
+              source=None, quantize=None, quantize_ignore=()) -> dict:
     """Prepare, merge with a progress bar, verify and publish; returns the manifest."""
     from mergecore import CheckpointError, merge_checkpoint, open_target, prepare
 
     target = open_target(target_dir)
     target.check(overwrite, [local_dir])  # refused before the checkpoint is read
     prepared = prepare(local_dir, role, backend, hf_model_path, dtype, max_shard_size, True if tie else None,
-                       check_replicas, custom_mapping, source=source, lora=lora)
+                       check_replicas, custom_mapping, source=source, lora=lora, quantize=quantize,
+                       quantize_ignore=tuple(quantize_ignore or ()))
     check_value_model(is_value_model, prepared.config)
     units = prepared.plan.files if target.unit == "files" else prepared.plan.groups
     with _progress(target.unit) as progress:
@@ -235,6 +240,8 @@ def merge(
     target_modules: Optional[str] = TARGET_MODULES,
     lora: Optional[str] = LORA_OUTPUT,
     base_model: Optional[str] = BASE_MODEL,
+    quantize: Optional[str] = QUANTIZE,
+    quantize_ignore: Optional[list[str]] = QUANTIZE_IGNORE,
 ):
     """Merge a checkpoint into a verified Hugging Face folder (and optionally push it to the Hub).
 
@@ -257,7 +264,7 @@ def merge(
         refuse("--lora and --base-model apply to verl FSDP LoRA checkpoints, not with --custom-mapping: drop one")
     manifest = run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size,
                          tie_word_embedding, is_value_model, overwrite, not skip_verify, check_replicas, workers,
-                         custom_mapping, on_nonfinite, overrides or None, source)
+                         custom_mapping, on_nonfinite, overrides or None, source, quantize, quantize_ignore)
     from mergecore.numbers.nonfinite import nonfinite_found
 
     warn_nonfinite(nonfinite_found(manifest.get("groups_written", [])))
@@ -486,6 +493,8 @@ def promote(
                                                "tcp://HOST:PORT; its workers must reach the target (an s3:// URL, or a shared folder)."),
     dask_workers: Optional[int] = typer.Option(None, "--dask-workers", help="Start a local Dask cluster of N worker "
                                                "processes for this run (default 2)."),
+    quantize: Optional[str] = QUANTIZE,
+    quantize_ignore: Optional[list[str]] = QUANTIZE_IGNORE,
 ):
     """Run the Prefect pipeline: merge (cached per group) -> verify -> push to the Hub.
 
@@ -508,7 +517,8 @@ def promote(
                            overwrite=overwrite, custom_mapping=custom_mapping, trust_remote_code=trust_remote_code,
                            on_nonfinite=on_nonfinite, lora=lora, lora_alpha=lora_alpha, lora_r=lora_r,
                            target_modules=target_modules, base_model=base_model, task_runner=task_runner,
-                           dask_address=dask_address, dask_workers=dask_workers)
+                           dask_address=dask_address, dask_workers=dask_workers, quantize=quantize,
+                           quantize_ignore=quantize_ignore or None)
     warn_nonfinite(result.get("nonfinite", {}))
     print_checks(result["checks"])
     cached = result["cached_groups"]

@@ -103,6 +103,8 @@ def promote_checkpoint(
     task_runner: str = "threads",
     dask_address: str | None = None,
     dask_workers: int | None = None,
+    quantize: str | None = None,
+    quantize_ignore: list[str] | None = None,
 ) -> dict:
     """Merge a training checkpoint, prove it equal to what was trained, and publish it to the Hub.
 
@@ -111,7 +113,10 @@ def promote_checkpoint(
     PEFT adapter to `lora_adapter/` of the same folder and repo; fuse); a save_lora_only one needs `base_model`.
 
     `task_runner="dask"` merges the groups on a Dask cluster: the scheduler at `dask_address`, or a
-    LocalCluster of `dask_workers` processes started for this run (see flows/engines.py)."""
+    LocalCluster of `dask_workers` processes started for this run (see flows/engines.py).
+
+    `quantize` (fp8-block, w8a16, w4a16) publishes the quantized model instead, proven within the scheme's bound
+    (`quantize_ignore`: module patterns kept unquantized; see docs/quantization.md)."""
     check_nonfinite_policy(on_nonfinite)
     runner = group_task_runner(task_runner, dask_address, dask_workers)  # a bad choice or a silent scheduler fails here
     if task_runner != "threads":
@@ -119,7 +124,8 @@ def promote_checkpoint(
     given = {"alpha": lora_alpha, "r": lora_r, "target_modules": target_modules, "base_model": base_model}
     lora_settings = lora_options(checkpoint, role, backend, hf_dir, custom_mapping, lora, given)
     ref = CheckpointRef(checkpoint, role, backend, hf_dir, dtype, max_shard_size, custom_mapping=custom_mapping,
-                        on_nonfinite=on_nonfinite, lora=lora_settings)
+                        on_nonfinite=on_nonfinite, lora=lora_settings, quantize=quantize,
+                        quantize_ignore=tuple(quantize_ignore or ()))
     manifest = merge_checkpoint.with_options(task_runner=runner)(ref, target, overwrite, reference, trust_remote_code)
     checks = run_equivalence_tests(target, manifest, reference, trust_remote_code)
     create_table_artifact(equivalence_rows(checks), key="equivalence", description="equivalence tests")

@@ -40,6 +40,8 @@ def merge_checkpoint(
     checks: Callable[[Path], list[dict]] | None = None,
     on_nonfinite: str = "warn",
     chunk_bytes: int | str | None = None,
+    quantize: str | None = None,
+    quantize_ignore: tuple[str, ...] = (),
 ) -> dict:
     """Merge a checkpoint into a verified Hugging Face model at `target` (a folder, published by one atomic
     rename, or an fsspec URL, published by writing its manifest last). `on_group(unit, receipt)` follows the
@@ -54,7 +56,7 @@ def merge_checkpoint(
         target.check(overwrite, [checkpoint])
         clock = Stopwatch()
         prepared = prepared or prepare(checkpoint, role, backend, hf_dir, dtype, max_shard_size, tie_word_embedding,
-                                       check_replicas)
+                                       check_replicas, quantize=quantize, quantize_ignore=quantize_ignore)
         clock.lap("prepare")
         try:
             staged = target.stage(prepared, overwrite, metadata_bytes(prepared.source))  # checks the source's folders too

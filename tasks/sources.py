@@ -32,6 +32,9 @@ class CheckpointRef:
     # A LoRA checkpoint: (key, value) pairs of `lora_options` (output, alpha, r, target_modules, base_model);
     # a tuple so the ref stays hashable.
     lora: tuple = ()
+    # A quantized export (`--quantize`): the scheme and the extra module patterns left unquantized.
+    quantize: str | None = None
+    quantize_ignore: tuple[str, ...] = ()
 
     @property
     def lora_overrides(self) -> dict | None:
@@ -51,7 +54,7 @@ def _opened(ref: CheckpointRef, fingerprints: str) -> CheckpointSource:
 def _prepared(ref: CheckpointRef, fingerprints: str) -> Prepared:
     return prepare(ref.checkpoint, ref.role, ref.backend, ref.hf_dir, ref.dtype, ref.max_shard_size,
                    ref.tie_word_embedding, custom_mapping=ref.custom_mapping, source=_opened(ref, fingerprints),
-                   lora=ref.lora_overrides)
+                   lora=ref.lora_overrides, quantize=ref.quantize, quantize_ignore=ref.quantize_ignore)
 
 
 def _fingerprints(ref: CheckpointRef) -> str:

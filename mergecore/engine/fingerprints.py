@@ -28,14 +28,14 @@ OUTPUT_CODE = (
     "formats/", "numbers/arrays.py", "numbers/budget.py", "numbers/dtypes.py", "families/layout.py",
     "families/megatron_maps.py", "families/registry.py", "families/transforms.py", "engine/plan.py", "engine/writer.py",
     "engine/remote_writer.py", "engine/merge.py", "targets/output.py", "storage/__init__.py", "views/hub_layout.py",
-    "views/lora.py",
+    "views/lora.py", "quantize/__init__.py", "quantize/kernels.py", "quantize/schemes.py", "quantize/stream.py",
 )
 NOT_OUTPUT_CODE = (
     "__init__.py", "api.py", "errors.py", "hub.py", "inspect.py", "picture.py", "engine/__init__.py",
     "engine/fingerprints.py", "families/__init__.py", "families/config_check.py", "numbers/__init__.py",
     "numbers/nonfinite.py", "proofs/__init__.py", "proofs/remote_verify.py", "proofs/verify.py", "storage/retries.py",
     "storage/tensorio.py", "targets/__init__.py", "targets/base.py", "targets/card.py", "targets/local.py",
-    "targets/lock.py", "targets/publish.py", "targets/remote.py", "views/__init__.py",
+    "targets/lock.py", "targets/publish.py", "targets/remote.py", "views/__init__.py", "proofs/quantized.py",
 )
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # mergecore/
 
@@ -82,7 +82,7 @@ def file_key(source: CheckpointSource, plan: MergePlan, file: str, target: str) 
 
 
 def _tensors_key(source: CheckpointSource, plan: MergePlan, planned: list, where: str | Path) -> str:
-    names = [t.name for t in planned]
+    names = list(dict.fromkeys(t.source_name or t.name for t in planned))  # a quantized weight: its checkpoint tensor
     names += [dropped for dropped, kept in plan.aliases.items() if kept in names]  # checked against it
     return digest({
         "inputs": input_fingerprints(source, names),

@@ -21,8 +21,9 @@ from ..formats.base import read_hf_config
 from ..families.config_check import check_config, tied_aliases, writes_output_head
 from ..families.layout import EMBEDDING, OUTPUT, tied_embeddings
 from ..views.lora import lora_view, write_adapter_beside
-from ..numbers.nonfinite import check_nonfinite_policy, checked_blocks
+from ..numbers.nonfinite import check_nonfinite_policy
 from .plan import MergePlan, make_plan
+from ..quantize.schemes import quantize_spec
 from ..storage import publishable_files
 from .writer import TensorWriter
 
@@ -111,6 +112,8 @@ def prepare(
     custom_mapping: str | None = None,
     source: CheckpointSource | None = None,
     lora: dict | None = None,
+    quantize: str | None = None,
+    quantize_ignore: tuple[str, ...] = (),
 ) -> Prepared:
     """Discover, validate against config.json, and plan. Raises CheckpointError on bad input.
 
@@ -124,6 +127,7 @@ def prepare(
     if source.hf_dir != opened_hf_dir:  # a save_lora_only merge takes the base model's: checked like the checkpoint's
         publishable_files(source.hf_dir, source.location)
     config = read_hf_config(source)
+    quantized = quantize_spec(quantize, tuple(quantize_ignore), config.get("model_type"))  # an unknown scheme: first
     source.validate(check_replicas=check_replicas)
     aliases = check_tied_embeddings(source, config, tie_word_embedding)
     plan = make_plan(str(source.location), source.tensors(), resolve_dtype(dtype, config), aliases,
@@ -132,6 +136,9 @@ def prepare(
                "backend": source.backend, "hf_dir": str(source.hf_dir) if hf_dir else None,
                "custom_mapping": custom_mapping, "dtype": dtype, "max_shard_size": max_shard_size,
                "tie_word_embedding": tie_word_embedding, "check_replicas": check_replicas}
+    if quantized:  # the same plan with each selected weight as its quantized parts (config checked unquantized)
+        plan = make_plan(plan.source, source.tensors(), plan.dtype, tied, parse_size(max_shard_size), quantized)
+        options.update(quantize=quantize, quantize_ignore=list(quantize_ignore))
     if lora:
         options["lora"] = lora
     return Prepared(source, config, plan, options)
@@ -167,9 +174,7 @@ def merge_group(
 
     def one(entry):
         found: dict = {}
-        for start, block in checked_blocks(source, entry, budget, on_nonfinite, found):
-            writer.write_rows(entry, start, block)
-            del block  # the next block is read while this one would otherwise still be held
+        writer.write_tensor(source, entry, budget, on_nonfinite, found)
         if on_tensor:
             on_tensor(entry.name)
         return entry.end - entry.begin, entry.name, found.get(entry.name)

@@ -28,6 +28,8 @@ class PlannedTensor:
     file: str
     begin: int          # byte offsets within the file's data section (after the header)
     end: int
+    source_name: str | None = None  # quantized export: the checkpoint tensor this part is computed from
+    part: str | None = None         # ... and which part ("weight_packed", "weight_scale"...); None: the tensor itself
 
 
 @dataclass
@@ -38,6 +40,7 @@ class MergePlan:
     tensors: list[PlannedTensor]
     files: list[str]
     aliases: dict[str, str] = field(default_factory=dict)  # dropped source name -> output name holding it
+    quantization: dict | None = None    # `quantize.schemes.quantize_spec` plus the config.json entry; None: plain merge
 
     def in_group(self, group: str) -> list[PlannedTensor]:
         return [t for t in self.tensors if t.group == group]
@@ -70,13 +73,17 @@ def make_plan(
     dtype: str | None,
     tied: bool | dict[str, str],
     max_shard_size: int,
+    quantize: dict | None = None,
 ) -> MergePlan:
     """Group tensors by layer and pack the groups, in order, into files of at most `max_shard_size`.
 
     Floating-point tensors are cast to `dtype`; others keep theirs. With tied embeddings the
     output head is dropped (Hugging Face stores it once) and recorded as an alias; a mapping names the tied
     tensors to drop instead (dropped name -> the written name holding its values, `config_check.tied_aliases`).
+    With `quantize` (`quantize.schemes.quantize_spec`) each selected weight becomes its quantized parts, counted
+    as such.
     """
+    from ..quantize.schemes import outputs
     if isinstance(tied, dict):
         aliases = dict(tied)
     else:
@@ -88,15 +95,18 @@ def make_plan(
     for _, name in ordered:
         info = tensors[name]
         out_name = dtype if dtype is not None and info.dtype in FLOATING else info.dtype
-        nbytes = info.numel * element_size(out_name)
+        parts = outputs(name, info.shape, out_name, quantize)
+        nbytes = sum(_numel(p.shape) * element_size(p.dtype) for p in parts)
         if file_sizes[-1] and file_sizes[-1] + nbytes > max_shard_size:
             file_sizes.append(0)
         group = group_of(name)[1]
         if group not in groups:
             groups.append(group)
-        begin = file_sizes[-1]
-        file_sizes[-1] += nbytes
-        planned.append(PlannedTensor(name, info.shape, out_name, info.dtype, group, str(len(file_sizes)), begin, begin + nbytes))
+        for p in parts:
+            begin = file_sizes[-1]
+            file_sizes[-1] += _numel(p.shape) * element_size(p.dtype)
+            planned.append(PlannedTensor(p.name, p.shape, p.dtype, info.dtype, group, str(len(file_sizes)), begin,
+                                         file_sizes[-1], name if p.part else None, p.part))
 
     count = len(file_sizes)
     names = {str(i): f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)}
@@ -108,4 +118,26 @@ def make_plan(
         tensors=planned,
         files=list(names.values()),
         aliases=aliases,
+        quantization=_quantization(quantize, planned, dtype),
     )
+
+
+def _numel(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _quantization(spec: dict | None, planned: list[PlannedTensor], dtype) -> dict | None:
+    """The plan's quantization record: the spec, what was quantized, what was not, and config.json's entry."""
+    if spec is None:
+        return None
+    from ..quantize.schemes import module_of, quantization_config
+
+    quantized = sorted({t.source_name for t in planned if t.part})
+    kept = [module_of(t.name) for t in planned if not t.part and len(t.shape) >= 2 and t.name.endswith(".weight")]
+    if "lm_head" not in kept:
+        kept.append("lm_head")  # a tied head is not written, but is a Linear the loader must leave alone
+    return {**spec, "quantized": len(quantized), "unquantized_modules": kept,
+            "config": quantization_config(spec, kept, dtype)}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..numbers.arrays import dtype_of, to_numpy
+from ..numbers.arrays import dtype_of, numpy_dtype, to_numpy
 from ..errors import CheckpointError
 from .plan import MergePlan, PlannedTensor
 
@@ -146,7 +146,7 @@ class TensorWriter:
         shape = tuple(planned.shape)
         whole = not shape or (start == 0 and tuple(block.shape) == shape)
         fits = whole or (tuple(block.shape[1:]) == shape[1:] and 0 <= start and start + block.shape[0] <= shape[0])
-        if not fits or dtype_of(block) != planned.dtype:
+        if not fits or (dtype_of(block) != planned.dtype and to_numpy(block).dtype != numpy_dtype(planned.dtype)):
             raise ValueError(f"{planned.name}: got rows {start}.. of {tuple(block.shape)} {block.dtype}, "
                              f"planned {planned.shape} {planned.dtype}")
         data = tensor_bytes(block)
@@ -160,6 +160,25 @@ class TensorWriter:
             while data:
                 written = os.pwrite(fd, data, offset)
                 data, offset = data[written:], offset + written
+
+    def write_tensor(self, source, entry: PlannedTensor, budget: int | None, on_nonfinite: str, found: dict) -> None:
+        """Read planned tensor `entry` from `source` in row blocks within `budget`, check each for NaN/Inf
+        (`nonfinite.checked_blocks`) and write it; a quantized weight's parts are all written, block by block, when its
+        primary part comes (`quantize.stream`), the other parts then being no-ops.
+
+        >>> writer.write_tensor(source, plan.in_group("layers.0")[0], 64 << 20, "warn", {})  # doctest: +SKIP
+        """
+        from ..numbers.nonfinite import checked_blocks
+
+        if entry.part is None:
+            blocks = ((entry, start, block) for start, block in checked_blocks(source, entry, budget, on_nonfinite, found))
+        else:
+            from ..quantize.stream import quantized_blocks
+
+            blocks = quantized_blocks(source, self._plan, entry, budget, on_nonfinite, found)
+        for planned, start, block in blocks:
+            self.write_rows(planned, start, block)
+            del block  # the next block is read while this one would otherwise still be held
 
     def _fd(self, file: str) -> int:
         with self._lock:

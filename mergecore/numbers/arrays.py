@@ -29,9 +29,10 @@ _DTYPES = {
     "int8": (np.dtype(np.int8), "I8"),
     "uint8": (np.dtype(np.uint8), "U8"),
     "bool": (np.dtype(np.bool_), "BOOL"),
+    "float8_e4m3fn": (np.dtype(np.uint8), "F8_E4M3"),  # the bits; written by --quantize fp8-block only
 }
 FLOATING = {"float64", "float32", "float16", "bfloat16"}
-_BY_NUMPY = {dtype: name for name, (dtype, _) in _DTYPES.items()}
+_BY_NUMPY = {dtype: name for name, (dtype, _) in _DTYPES.items() if name != "float8_e4m3fn"}  # uint8 stays uint8
 _BY_SAFETENSORS = {st: name for name, (_, st) in _DTYPES.items()}
 _SAME_SIZE_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _EQUAL_BYTES = 16 << 20  # bytes of each array compared at a time

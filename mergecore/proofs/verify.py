@@ -25,21 +25,28 @@ from ..targets.output import MANIFEST_FILE, sha256_file
 from ..engine.plan import INDEX_FILE
 from ..storage import Location, checked_publishable, link_root
 from ..storage.tensorio import WEIGHT_SUFFIXES, HfWeights, read_json
+from .quantized import quantized_round_trip
 
 
-def verify_round_trip(source: CheckpointSource, folder: Path, aliases: dict[str, str], workers: int = 2) -> dict:
+def verify_round_trip(source: CheckpointSource, folder: Path, aliases: dict[str, str], workers: int = 2,
+                      plan=None) -> dict:
     """Every shard of every rank (replicas too) must be found, bit for bit, in the output files.
 
     `aliases` maps source tensors that were not written (a tied head) to the output tensor holding them.
+    With a quantized `plan` the names are the plan's, and its quantized weights are proven by
+    `quantized.quantized_round_trip` (exact re-quantization, decoded within the scheme's bound).
     """
-    expected = set(source.tensors()) - set(aliases)
+    plan = plan or recorded_plan(source, folder)
+    quantized = plan is not None and plan.quantization
+    expected = {t.name for t in plan.tensors} if quantized else set(source.tensors()) - set(aliases)
     with HfWeights(folder) as weights:
         found = set(weights.names())
         if found != expected:
             raise tensors_differ(folder, found, expected)
-
-        pieces = round_trip_pieces(source, weights.get, found, aliases, workers)
-    return {"check": "round-trip", "tensors": len(source.tensors()), "pieces": pieces, "ok": True}
+        plain = {t.name for t in plan.tensors if not t.part} if quantized else found
+        pieces = round_trip_pieces(source, weights.get, plain, aliases, workers)
+        errors = quantized_round_trip(source, weights.get, plan, folder, workers) if quantized else {}
+    return {"check": "round-trip", "tensors": len(source.tensors()), "pieces": pieces, **errors, "ok": True}
 
 
 def round_trip_pieces(source: CheckpointSource, get, held: set[str], aliases: dict[str, str], workers: int = 1) -> int:
@@ -116,17 +123,36 @@ def verify_copied_files(folder: Path, source: CheckpointSource, manifest: dict) 
 
 def _expected_config(config: dict, source: CheckpointSource, manifest: dict) -> dict:
     """config.json as the merge recorded in `manifest` writes it from the source's `config`."""
+    from ..targets.output import output_config
+
+    return json.loads(json.dumps(output_config(config, manifest_plan(source, config, manifest))))  # as written: JSON types
+
+
+def manifest_plan(source: CheckpointSource, config: dict, manifest: dict):
+    """The plan of the merge `manifest` records (dtype, shard size, quantization), made again from the source."""
     from ..numbers.dtypes import resolve_dtype
     from ..families.layout import tied_embeddings
-    from ..targets.output import output_config
     from ..numbers.budget import parse_size
     from ..engine.plan import make_plan
+    from ..quantize.schemes import quantize_spec
 
     options = manifest["source"].get("options") or {}
     dtype = resolve_dtype(str(options.get("dtype") or "auto"), config)
-    plan = make_plan(str(source.location), source.tensors(), dtype, tied_embeddings(config),
-                     parse_size(options.get("max_shard_size") or "5GB"))
-    return json.loads(json.dumps(output_config(config, plan)))  # as written: JSON types
+    quantized = quantize_spec(options.get("quantize"), tuple(options.get("quantize_ignore") or ()), config.get("model_type"))
+    return make_plan(str(source.location), source.tensors(), dtype, tied_embeddings(config),
+                     parse_size(options.get("max_shard_size") or "5GB"), quantized)
+
+
+def recorded_plan(source: CheckpointSource, folder: Path):
+    """The plan of a published quantized folder, from its manifest (None for a plain merge, or without a manifest)."""
+    from ..formats.base import read_hf_config
+
+    if not (Path(folder) / MANIFEST_FILE).exists():
+        return None
+    manifest = load_manifest(folder)
+    if not (manifest["source"].get("options") or {}).get("quantize"):
+        return None
+    return manifest_plan(source, read_hf_config(source), manifest)
 
 
 # The wording of a failed check, shared with the file-by-file check of a model on object storage (remote_verify).
@@ -211,6 +237,9 @@ def reference_checks(folder: Path, reference: Path, trust_remote_code: bool = Fa
     >>> [c["check"] for c in reference_checks(Path("out/model"), Path("ref/model"))]  # doctest: +SKIP
     ['reference', 'logits']
     """
+    quantization = read_json(folder / "config.json").get("quantization_config")
+    if quantization:  # its tensors are not the reference's: what a server loads is compared, by its logits
+        return [compare_quantized_logits(folder, reference, quantization, trust_remote_code, device=device)]
     tensors = compare_with_reference(folder, reference, atol or 0.0, rtol or 0.0)
     results = [{k: v for k, v in tensors.items() if k != "rows"}]
     if logits:
@@ -286,6 +315,66 @@ def compare_logits(
     if not result["ok"]:
         raise VerificationError(f"{folder}: logits differ from {reference} by {diff:.3g} (beyond atol {atol}, "
                                 f"rtol {rtol}) on {device}")
+    return result
+
+
+# Per scheme: the most a quantized model's next-token distribution may drift from the unquantized merge's, on
+# average (KL(reference || quantized), nats per position); docs/quantization.md gives the reasons and measurements.
+QUANTIZED_KL_MAX = {"fp8": 0.01, "w8a16": 0.005, "w4a16": 0.1}
+
+
+def quantized_loader_config(quantization: dict):
+    """transformers' config that loads a quantized folder on any machine, decoding to the model's dtype."""
+    from transformers import CompressedTensorsConfig, FineGrainedFP8Config
+
+    if quantization.get("quant_method") == "fp8":
+        return FineGrainedFP8Config(dequantize=True)
+    return CompressedTensorsConfig(dequantize=True)
+
+
+def _scheme_name(quantization: dict) -> str:
+    if quantization.get("quant_method") == "fp8":
+        return "fp8"
+    bits = quantization["config_groups"]["group_0"]["weights"]["num_bits"]
+    return f"w{bits}a16"
+
+
+def compare_quantized_logits(folder: Path, reference: Path, quantization: dict, trust_remote_code: bool = False,
+                             seq_len: int = 16, device: str | None = None) -> dict:
+    """Load a quantized `folder` with transformers' own loader (no missing or unexpected keys allowed) and compare
+    its logits with the unquantized `reference`'s on fixed token ids: max |diff|, mean KL and top-1 agreement; the
+    mean KL must stay within `QUANTIZED_KL_MAX` of its scheme.
+
+    >>> compare_quantized_logits(Path("out/model-fp8"), Path("out/model"), {"quant_method": "fp8"})["ok"]  # doctest: +SKIP
+    True
+    """
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    device = logits_device(device)
+    auto, scheme = _auto_class(folder), _scheme_name(quantization)
+    ours, info = _load_model(auto, folder, quantization_config=quantized_loader_config(quantization),
+                             output_loading_info=True, trust_remote_code=trust_remote_code)
+    odd = {kind: sorted(names)[:3] for kind, names in info.items() if kind in ("missing_keys", "unexpected_keys") and names}
+    if odd:
+        raise VerificationError(f"{folder}: transformers loads it with {odd}; the quantized folder does not match its "
+                                "model class: merge again (or report this)")
+    ours = ours.to(device).eval()
+    theirs = _load_model(auto, reference, dtype=ours.dtype, trust_remote_code=trust_remote_code).to(device).eval()
+    vocab = ours.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (2, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        a, b = ours(input_ids=ids).logits.float(), theirs(input_ids=ids).logits.float()
+    kl = torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    result = {"check": "logits (quantized)", "scheme": scheme, "device": device, "shape": list(a.shape),
+              "max_abs_diff": (a - b).abs().max().item(), "mean_kl": kl.mean().item(),
+              "top1_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item(), "kl_max": QUANTIZED_KL_MAX[scheme]}
+    result["ok"] = result["mean_kl"] <= result["kl_max"]
+    if not result["ok"]:
+        raise VerificationError(f"{folder}: its logits drift from {reference}'s by a mean KL of {result['mean_kl']:.3g} "
+                                f"(beyond {result['kl_max']} for {scheme}) on {device}; keep more modules unquantized "
+                                "(--quantize-ignore) or use a finer scheme")
     return result
 
 

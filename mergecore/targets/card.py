@@ -28,7 +28,8 @@ def model_card(manifest: dict, config: dict, checks: list[dict]) -> str:
               f"| format | {source['format']} |",
               f"| world size | {source.get('world_size')} |",
               f"| mesh | {source.get('mesh_shape')} |",
-              f"| dtype | {manifest['dtype']} |", *_lora_rows(source.get("lora")), "",
+              f"| dtype | {manifest['dtype']} |", *_lora_rows(source.get("lora")),
+              *_quantization_rows(manifest.get("quantization")), "",
               "## Equivalence checks", "", "| check | result | details |", "|---|---|---|"]
     for check in checks:
         if check["check"].startswith("manifest"):  # re-checking local files proves nothing new about the model
@@ -36,6 +37,20 @@ def model_card(manifest: dict, config: dict, checks: list[dict]) -> str:
         details = ", ".join(f"{k}={v}" for k, v in check.items() if k not in ("check", "ok", "rows"))
         lines.append(f"| {check['check']} | {'passed' if check['ok'] else 'FAILED'} | {details} |")
     return "\n".join(lines) + "\n"
+
+
+def _quantization_rows(quantization: dict | None) -> list[str]:
+    """The scheme, how many weights it quantized and what it left in the merge dtype (the measured errors are in
+    the round-trip row below)."""
+    if not quantization:
+        return []
+    kept = quantization.get("unquantized_modules", [])
+    shown = ", ".join(f"`{m}`" for m in kept[:8]) + (f" and {len(kept) - 8} more" if len(kept) > 8 else "")
+    rows = [f"| quantization | {quantization['scheme']}: {quantization.get('quantized')} decoder Linear weights |",
+            f"| left unquantized | {shown or 'none'} (plus embeddings, norms and biases) |"]
+    if quantization.get("user_ignore"):
+        rows.append(f"| --quantize-ignore | {', '.join(f'`{p}`' for p in quantization['user_ignore'])} |")
+    return rows
 
 
 def _lora_rows(lora: dict | None) -> list[str]:

@@ -193,7 +193,7 @@ class LocalTarget(Target):
             hashes.start(plan.files)  # finishes while the round-trip check runs
             descriptive = describe_folder(prepared, staging)
             start_writeback([staging / file for file in plan.files])  # to disk while the checks run; publish fsyncs
-            results = [verify_round_trip(prepared.source, staging, plan.aliases, workers)] if verify else []
+            results = [verify_round_trip(prepared.source, staging, plan.aliases, workers, plan)] if verify else []
             clock.lap("verify")
             extra = {**(extra or {}), "groups_written": receipts}
             extra["timings"] = {**extra.get("timings", {}), **clock.laps}

@@ -50,6 +50,8 @@ def output_config(config: dict, plan: MergePlan) -> dict:
     if written:
         for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
             config[key] = written
+    if plan.quantization:  # how transformers and vLLM read the quantized weights
+        config["quantization_config"] = plan.quantization["config"]
     return config
 
 
@@ -218,6 +220,7 @@ def write_manifest(source: CheckpointSource, config: dict, plan: MergePlan, fold
         "dtype": plan.dtype or "keep",
         "groups": plan.groups,
         "aliases": plan.aliases,
+        **({"quantization": {k: v for k, v in plan.quantization.items() if k != "config"}} if plan.quantization else {}),
         **(extra or {}),
     }
     stored = stored or {}

@@ -93,6 +93,9 @@ class RemoteTarget(Target):
         write: all but those an interrupted run of this merge finished (their receipts are in `kept`)."""
         from ..engine.fingerprints import weights_id
 
+        if prepared.plan.quantization:  # its file-by-file writer and check know plain tensors only
+            raise CheckpointError(f"{self.url}: --quantize writes to a local folder for now; merge into a folder, "
+                                  "then push it (--hf_upload_path) or copy it to object storage")
         merge_id = weights_id(prepared.source, prepared.plan)
         fs, root = self._fs_root
         if self.location.join(MANIFEST_FILE).exists():

@@ -1,0 +1,136 @@
+"""The schemes as data, which weights each quantizes, the tensors it writes for them and its `quantization_config`.
+
+Quantized: 2-D Linear weights of decoder layers (`...layers.N....weight`), experts included. Unquantized (kept
+in the merge dtype): embeddings, `lm_head`, norms, biases, MoE routers and gates, vision towers and projectors
+(`DEFAULT_IGNORE`, plus `FAMILY_IGNORE[model_type]`), and whatever `--quantize-ignore PATTERN` names (an
+fnmatch pattern on the module name, the tensor name without `.weight`).
+
+>>> spec = quantize_spec("w4a16", ("*.down_proj",))
+>>> [(p.name, p.shape, p.dtype) for p in outputs("model.layers.0.mlp.up_proj.weight", (256, 128), "bfloat16", spec)]
+[('model.layers.0.mlp.up_proj.weight_packed', (256, 16), 'int32'), ('model.layers.0.mlp.up_proj.weight_scale', (256, 1), 'bfloat16'), ('model.layers.0.mlp.up_proj.weight_shape', (2,), 'int64')]
+>>> outputs("model.layers.0.mlp.down_proj.weight", (128, 256), "bfloat16", spec)[0].part is None
+True
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+
+from ..errors import CheckpointError
+from .kernels import BLOCK, GROUP
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    kind: str            # "fp8-block" | "int"
+    bits: int
+    primary: str         # the part whose read drives the others ("weight" / "weight_packed")
+
+
+SCHEMES = {
+    "fp8-block": Scheme("fp8-block", "fp8-block", 8, "weight"),
+    "w8a16": Scheme("w8a16", "int", 8, "weight_packed"),
+    "w4a16": Scheme("w4a16", "int", 4, "weight_packed"),
+}
+
+# Module-name patterns (fnmatch) that stay unquantized in every family.
+DEFAULT_IGNORE = (
+    "*embed_tokens*", "*lm_head*", "*norm*", "*.mlp.gate", "*.router", "*.router.*", "*shared_expert_gate",
+    "*visual*", "*vision_tower*", "*vision_model*", "*multi_modal_projector*", "*mm_projector*",
+)
+# Extra per model_type: the routers and gates each family names its own way.
+FAMILY_IGNORE = {
+    "mixtral": ("*.block_sparse_moe.gate",),
+    "qwen2_moe": ("*.mlp.shared_expert_gate",),
+    "deepseek_v3": ("*.mlp.gate",),
+    "gpt_oss": ("*.mlp.router",),
+    "qwen3_next": ("*.mlp.shared_expert_gate", "*.linear_attn.*"),
+}
+_DECODER_WEIGHT = re.compile(r"(^|\.)layers\.\d+\..*\.weight$")
+
+
+@dataclass(frozen=True)
+class PlannedPart:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    part: str | None     # None: the tensor itself, unquantized
+
+
+def quantize_spec(scheme: str | None, ignore: tuple[str, ...] = (), model_type: str | None = None) -> dict | None:
+    """The plan's record of a quantized export (plain data), or None without a scheme; an unknown scheme is one line.
+
+    >>> quantize_spec("int3")
+    Traceback (most recent call last):
+    mergecore.errors.CheckpointError: unknown --quantize 'int3': use fp8-block, w8a16 or w4a16
+    """
+    if scheme is None:
+        return None
+    if scheme not in SCHEMES:
+        raise CheckpointError(f"unknown --quantize {scheme!r}: use fp8-block, w8a16 or w4a16")
+    patterns = (*DEFAULT_IGNORE, *FAMILY_IGNORE.get(model_type or "", ()), *ignore)
+    return {"scheme": scheme, "ignore": list(patterns), "user_ignore": list(ignore)}
+
+
+def scheme_of(spec: dict) -> Scheme:
+    return SCHEMES[spec["scheme"]]
+
+
+def module_of(name: str) -> str:
+    return name.removesuffix(".weight")
+
+
+def selected(name: str, shape: tuple[int, ...], spec: dict) -> bool:
+    """Whether tensor `name` is quantized under `spec` (a decoder Linear weight no pattern ignores)."""
+    if not _DECODER_WEIGHT.search(name) or len(shape) < 2:
+        return False
+    module = module_of(name)
+    return not any(fnmatch.fnmatchcase(module, pattern) for pattern in spec["ignore"])
+
+
+def check_shape(name: str, shape: tuple[int, ...], spec: dict) -> None:
+    """Refuse, in one line, a selected weight the scheme cannot quantize in whole blocks."""
+    scheme = scheme_of(spec)
+    ignore = f"--quantize-ignore '{module_of(name)}'"
+    if len(shape) != 2:
+        raise CheckpointError(f"{name}: shape {tuple(shape)} is not a 2-D Linear weight, which --quantize {scheme.name} "
+                              f"needs (packed experts are not supported); keep it unquantized with {ignore}")
+    out, inp = shape
+    if scheme.kind == "fp8-block" and (out % BLOCK or inp % BLOCK):
+        raise CheckpointError(f"{name}: shape {tuple(shape)} is not a multiple of {BLOCK}x{BLOCK}, which fp8-block needs "
+                              f"(transformers' loader decodes whole blocks only); keep it unquantized with {ignore}")
+    if scheme.kind == "int" and inp % GROUP:
+        raise CheckpointError(f"{name}: {inp} input columns are not a multiple of the group size {GROUP} that "
+                              f"--quantize {scheme.name} needs; keep it unquantized with {ignore}")
+
+
+def outputs(name: str, shape: tuple[int, ...], dtype: str, spec: dict | None) -> list[PlannedPart]:
+    """The tensors written for source tensor `name` (`dtype`: the merge's output dtype for it)."""
+    if spec is None or not selected(name, shape, spec):
+        return [PlannedPart(name, tuple(shape), dtype, None)]
+    check_shape(name, shape, spec)
+    scheme, module, (out, inp) = scheme_of(spec), module_of(name), shape
+    if scheme.kind == "fp8-block":
+        return [PlannedPart(name, (out, inp), "float8_e4m3fn", "weight"),
+                PlannedPart(f"{module}.weight_scale_inv", (-(-out // BLOCK), -(-inp // BLOCK)), "float32", "weight_scale_inv")]
+    return [PlannedPart(f"{module}.weight_packed", (out, inp * scheme.bits // 32), "int32", "weight_packed"),
+            PlannedPart(f"{module}.weight_scale", (out, inp // GROUP), dtype, "weight_scale"),
+            PlannedPart(f"{module}.weight_shape", (2,), "int64", "weight_shape")]
+
+
+def quantization_config(spec: dict, unquantized_modules: list[str], dtype: str | None) -> dict:
+    """config.json's `quantization_config` for `spec`; `unquantized_modules`: every 2-D weight's module left as is
+    (transformers and vLLM would otherwise expect quantized tensors for it)."""
+    scheme = scheme_of(spec)
+    if scheme.kind == "fp8-block":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": unquantized_modules}
+    weights = {"num_bits": scheme.bits, "type": "int", "symmetric": True, "strategy": "group",
+               "group_size": GROUP, "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax"}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None, "format": "pack-quantized"}},
+            "ignore": unquantized_modules, "kv_cache_scheme": None}

@@ -1,0 +1,74 @@
+"""Quantizing a weight in row blocks as it is merged, and again when it is proven: one function for both.
+
+Blocks hold whole 128-row bands (fp8's scale blocks; int groups run along rows, so any band works), sized so a
+band's float32 copy and its temporaries stay within the worker's budget.
+
+>>> list(aligned_spans(300, 128 * 4 * 3, 128 * 4 * 3 * 128))
+[(0, 128), (128, 256), (256, 300)]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..numbers.arrays import nonfinite_counts
+from .kernels import BLOCK, fp8_block_quantize, int_group_quantize
+from .schemes import scheme_of
+
+# float32 copy of the rows, the scaled copy and the codes/expansions beside it
+_COPIES = 3
+
+
+def aligned_spans(rows: int, row_bytes: int, budget: int | None):
+    """`(start, stop)` bands of whole 128-row blocks within `budget` bytes (at least one block; all rows when
+    the budget is 0/None)."""
+    step = rows if not budget else max(1, budget // max(1, row_bytes) // BLOCK) * BLOCK
+    step = max(step, 1)
+    return ((start, min(start + step, rows)) for start in range(0, rows, step))
+
+
+def parts_of(plan, entry) -> dict:
+    """{part: planned tensor} of the quantized weight `entry` belongs to."""
+    return {t.part: t for t in plan.in_group(entry.group) if t.source_name == entry.source_name}
+
+
+def quantize_rows(spec: dict, rows: np.ndarray, scale_dtype: str) -> dict[str, np.ndarray]:
+    """{part: array} of float32 `rows` of a weight (whole 128-row blocks, or the tail)."""
+    scheme = scheme_of(spec)
+    if scheme.kind == "fp8-block":
+        codes, scales = fp8_block_quantize(rows)
+        return {"weight": codes, "weight_scale_inv": scales}
+    packed, scales = int_group_quantize(rows, scheme.bits, scale_dtype)
+    return {"weight_packed": packed, "weight_scale": scales}
+
+
+def source_bands(source, name: str, budget: int | None):
+    """`(start, float32 rows)` of source tensor `name` in aligned bands (one read when the source cannot stream)."""
+    info = source.tensors()[name]
+    rows, cols = info.shape
+    spans = list(aligned_spans(rows, cols * 4 * _COPIES, budget))
+    whole = None if source.streams(name) and len(spans) > 1 else source.read(name, "float32")
+    for low, high in spans:
+        yield low, (whole[low:high] if whole is not None else source.read_rows(name, low, high, "float32"))
+
+
+def quantized_blocks(source, plan, entry, budget: int | None, on_nonfinite: str, found: dict):
+    """`(planned part, first row, block)` for every part of the quantized weight whose primary part is `entry`
+    (nothing for its other parts: they come with the primary). NaN/Inf in the source rows follow `on_nonfinite`."""
+    from ..numbers.nonfinite import add_counts, nonfinite_error
+
+    spec = plan.quantization
+    if entry.part != scheme_of(spec).primary:
+        return
+    parts = parts_of(plan, entry)
+    scale_dtype = parts.get("weight_scale", entry).dtype
+    if "weight_shape" in parts:
+        yield parts["weight_shape"], 0, np.array(source.tensors()[entry.source_name].shape, np.int64)
+    for low, rows in source_bands(source, entry.source_name, budget):
+        counts = nonfinite_counts(rows)
+        if counts and on_nonfinite == "fail":
+            raise nonfinite_error({entry.source_name: counts}, source.location)
+        if counts:
+            found[entry.name] = add_counts(found.get(entry.name), counts)
+        for part, block in quantize_rows(spec, np.ascontiguousarray(rows, np.float32), scale_dtype).items():
+            yield parts[part], low // BLOCK if part == "weight_scale_inv" else low, block
