@@ -137,7 +137,7 @@ def prepare(
                "custom_mapping": custom_mapping, "dtype": dtype, "max_shard_size": max_shard_size,
                "tie_word_embedding": tie_word_embedding, "check_replicas": check_replicas}
     if quantized:  # the same plan with each selected weight as its quantized parts (config checked unquantized)
-        plan = make_plan(plan.source, source.tensors(), plan.dtype, tied, parse_size(max_shard_size), quantized)
+        plan = make_plan(plan.source, source.tensors(), plan.dtype, aliases, parse_size(max_shard_size), quantized)
         options.update(quantize=quantize, quantize_ignore=list(quantize_ignore))
     if lora:
         options["lora"] = lora

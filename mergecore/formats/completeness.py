@@ -26,11 +26,10 @@ One listing (`fs.find`) per poll; only small marker files are read.
 from __future__ import annotations
 
 import json
-import posixpath
 import re
 from dataclasses import dataclass, field
 
-from .detect import DIST_DIR, DIST_METADATA_FILE, FSDP_RANK_FILE, MP_RANK_DIR
+from .detect import DIST_DIR, DIST_METADATA_FILE, MP_RANK_DIR
 from ..storage import Location
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
