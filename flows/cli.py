@@ -324,8 +324,6 @@ def verify(
 
     A manifest's source is opened only when it is a local path or given with --source: verifying a downloaded
     model never contacts a host its manifest names."""
-    from mergecore.proofs.verify import reference_checks
-
     if not reference and (logits or trust_remote_code or atol is not None or rtol is not None):
         refuse("--logits, --trust-remote-code, --atol and --rtol apply to the comparison with a reference model: "
                "add --reference FOLDER")
