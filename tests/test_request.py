@@ -182,10 +182,10 @@ def test_a_promotion_opens_each_rank_file_once(prefect_server, demo, tmp_path, m
 def test_public_api_examples_run_unskipped(name):
     function = getattr(mergecore, name)
     assert callable(function) and function.__module__ == "mergecore.api"
-    examples = doctest.DocTestFinder().find(function, name, globs={})[0].examples
-    assert examples and not any(e.options.get(doctest.SKIP) for e in examples)
+    found = doctest.DocTestFinder().find(function, name, globs=vars(sys.modules[function.__module__]).copy())[0]
+    assert found.examples and not any(e.options.get(doctest.SKIP) for e in found.examples)
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    runner.run(doctest.DocTestFinder().find(function, name, globs={})[0])
+    runner.run(found)
     assert runner.summarize(verbose=False).failed == 0
 
 
