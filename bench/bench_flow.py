@@ -134,11 +134,10 @@ def same_shape_dag(groups: int):
 
 
 def forget_opened_checkpoints() -> None:
-    """Drop tasks.sources' per-process cache of opened (mmapped) checkpoints."""
-    from ckptflow.tasks import sources
+    """Drop tasks.sources' per-process memo of opened (mmapped) checkpoints."""
+    from ckptflow.tasks.sources import forget_opened
 
-    sources._opened.cache_clear()
-    sources._prepared.cache_clear()
+    forget_opened()
 
 
 def cpu_seconds(pid: int) -> float:

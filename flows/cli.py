@@ -66,7 +66,7 @@ def cli_errors(command):
             fail(str(error), error.exit_code)
         except OSError as error:  # a path that cannot be read or written: name it, no traceback
             where = f"{error.filename}: " if error.filename else ""
-            fail(f"{where}{error.strerror or error}; check the path and its permissions", 2)
+            fail(f"{where}{error.strerror or error}; check the path and its permissions", exit_code=2)
 
     return run
 
@@ -96,11 +96,11 @@ def require_pipeline(command: str) -> None:
                "pip install 'ckptflow[pipeline]'")
 
 
-def push_merged(folder: str | Path, repo_id: str, revision: Optional[str], private: bool, tag: Optional[str] = None) -> dict:
+def push_merged(folder: str | Path, repo_id: str, *, revision: Optional[str], private: bool) -> dict:
     """Push a merged folder as published, card and manifest included (endpoint and token from HF_ENDPOINT / HF_TOKEN)."""
-    from mergecore.hub import push_folder
+    from mergecore import push
 
-    pushed = push_folder(folder, repo_id, revision=revision, private=private, tag=tag)
+    pushed = push(folder, repo_id, revision=revision, private=private)
     change = "new commit" if pushed["new_commit"] else "unchanged, no new commit"
     out.print(f"pushed to {pushed['url']} ({change} {pushed['commit'][:12]}; {pushed['files_checked']} files verified)",
               highlight=False, soft_wrap=True)
@@ -118,34 +118,31 @@ def check_value_model(is_value_model: bool, config: dict) -> None:
         )
 
 
-def lora_overrides(alpha: float | None, r: int | None, target_modules: str | None,
-                   base_model: str | None = None) -> dict | None:
-    """Explicit LoRA hyperparameters (they win over the checkpoint's metadata) and the base model of a
-    save_lora_only checkpoint; None when none was given."""
-    given = {"alpha": alpha, "r": r, "target_modules": target_modules, "base_model": base_model}
-    return {k: v for k, v in given.items() if v is not None} or None
+def lora_settings(output: Optional[str] = None, alpha: Optional[float] = None, r: Optional[int] = None,
+                  target_modules: Optional[str] = None, base_model: Optional[str] = None):
+    """The LoRA flags as `LoraSettings` (explicit values win over the checkpoint's metadata)."""
+    from mergecore import LoraSettings
+
+    return LoraSettings(output=output, alpha=alpha, r=r, target_modules=target_modules, base_model=base_model)
 
 
-def write_lora_adapter(local_dir, target_dir, backend, role, hf_model_path, overwrite, requested, overrides,
-                       hf_upload_path):
-    """Write the PEFT adapter folder when the LoRA output is `adapter` and return None; else the opened
-    source, for the normal merge (opened once), with the LoRA output chosen put in `overrides`."""
-    from mergecore import open_checkpoint, open_target, write_adapter_folder
-    from mergecore.views.lora import output_mode
+def opened_for_merge(request):
+    """The checkpoint of `request`, opened once for all that follows (the LoRA decision, the merge), after the
+    target is checked: a target that would be refused is refused before the checkpoint is read."""
+    from mergecore import open_target
+    from mergecore.engine.merge import open_source
 
-    open_target(target_dir).check(overwrite, [local_dir])  # refused before the checkpoint is read, as always
-    source = open_checkpoint(local_dir, role, backend, hf_model_path)
-    mode = output_mode(source, requested, overrides.get("base_model"))
-    if mode != "adapter":
-        if mode is not None:
-            overrides["output"] = mode
-        return source
-    if hf_upload_path:
-        refuse("--hf_upload_path with a LoRA adapter output is not supported yet: push the adapter folder yourself")
-    report = write_adapter_folder(source, target_dir, overwrite, overrides, overrides.get("base_model"))
+    open_target(request.where.target).check(request.where.overwrite, [request.what.checkpoint])
+    return open_source(request.what)
+
+
+def write_lora_adapter(request, source) -> None:
+    """The PEFT adapter folder alone (`--lora adapter`, or a save_lora_only checkpoint without --base-model)."""
+    from mergecore import write_adapter_folder
+
+    report = write_adapter_folder(request, source)
     out.print(f"LoRA adapter {source.location} -> {report['adapter']} (r {report['r']}, alpha {report['alpha']}; "
               f"{report['tensors']} tensors, {report['pieces']} pieces checked)", highlight=False, soft_wrap=True)
-    return None
 
 
 class _Bars(Progress):
@@ -171,30 +168,23 @@ def _progress(unit: str = "groups") -> Progress:
     )
 
 
-def run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size, tie, is_value_model,
-              overwrite, verify, check_replicas, workers, custom_mapping=None, on_nonfinite="warn", lora=None,
-              source=None, quantize=None, quantize_ignore=()) -> dict:
-    """Prepare, merge with a progress bar, verify and publish; returns the manifest."""
-    from mergecore import CheckpointError, merge_checkpoint, open_target, prepare
+def run_merge(request, source, is_value_model: bool = False) -> dict:
+    """Prepare `request` (its checkpoint already opened: `source`), merge with a progress bar, verify and publish;
+    returns the manifest."""
+    from mergecore import CheckpointError, merge, open_target, prepare
 
-    target = open_target(target_dir)
-    target.check(overwrite, [local_dir])  # refused before the checkpoint is read
-    prepared = prepare(local_dir, role, backend, hf_model_path, dtype, max_shard_size, True if tie else None,
-                       check_replicas, custom_mapping, source=source, lora=lora, quantize=quantize,
-                       quantize_ignore=tuple(quantize_ignore or ()))
+    prepared = prepare(request, source)
     check_value_model(is_value_model, prepared.config)
-    units = prepared.plan.files if target.unit == "files" else prepared.plan.groups
-    with _progress(target.unit) as progress:
+    unit = open_target(request.where.target).unit
+    units = prepared.plan.files if unit == "files" else prepared.plan.groups
+    with _progress(unit) as progress:
         bar = progress.add_task("merging", total=len(units))
 
         def advanced(unit: str, receipt: dict) -> None:
             progress.update(bar, advance=1, description=unit)
 
         try:
-            manifest = merge_checkpoint(
-                local_dir, target, overwrite=overwrite, verify=verify, workers=workers,
-                on_group=advanced, prepared=prepared, on_nonfinite=on_nonfinite,
-            )
+            manifest = merge(request, on_group=advanced, prepared=prepared)
         except CheckpointError:
             progress.live.transient = True  # the error stays the only line
             raise
@@ -253,18 +243,22 @@ def merge(
     if trust_remote_code:
         refuse("--trust-remote-code: merge never loads model code (it reads tensors only); it applies to the logits "
                "check of `ckptflow test` and `ckptflow verify --logits`: drop it here")
-    overrides = lora_overrides(lora_alpha, lora_r, target_modules, base_model) or {}
-    source = None
-    if custom_mapping is None:  # opened here once: a LoRA adapter output is written without the merge below
-        source = write_lora_adapter(local_dir, target_dir, backend, role, hf_model_path, overwrite, lora, overrides,
-                                    hf_upload_path)
-        if source is None:
-            return
-    elif lora is not None or base_model:
-        refuse("--lora and --base-model apply to verl FSDP LoRA checkpoints, not with --custom-mapping: drop one")
-    manifest = run_merge(local_dir, target_dir, backend, role, hf_model_path, dtype, max_shard_size,
-                         tie_word_embedding, is_value_model, overwrite, not skip_verify, check_replicas, workers,
-                         custom_mapping, on_nonfinite, overrides or None, source, quantize, quantize_ignore)
+    from mergecore import MergeRequest, MergeSettings, MergeSource, MergeTarget
+    from mergecore.engine.merge import lora_output
+
+    request = MergeRequest(
+        MergeSource(local_dir, role=role, backend=backend, hf_dir=hf_model_path, custom_mapping=custom_mapping,
+                    lora=lora_settings(lora, lora_alpha, lora_r, target_modules, base_model)),
+        MergeSettings(dtype=dtype, max_shard_size=max_shard_size, tie_word_embedding=True if tie_word_embedding else None,
+                      check_replicas=check_replicas, on_nonfinite=on_nonfinite, workers=workers, verify=not skip_verify,
+                      quantize=quantize, quantize_ignore=tuple(quantize_ignore or ())),
+        MergeTarget(target_dir, overwrite=overwrite))
+    source = opened_for_merge(request)
+    if lora_output(request.what, source) == "adapter":
+        if hf_upload_path:
+            refuse("--hf_upload_path with a LoRA adapter output is not supported yet: push the adapter folder yourself")
+        return write_lora_adapter(request, source)
+    manifest = run_merge(request, source, is_value_model)
     from mergecore.numbers.nonfinite import nonfinite_found
 
     warn_nonfinite(nonfinite_found(manifest.get("groups_written", [])))
@@ -274,7 +268,7 @@ def merge(
     out.print(f"merged {manifest['source']['location']} -> {Location.of(target_dir)} "
               f"({len(manifest['files'])} files, dtype {manifest['dtype']}; {checks})", highlight=False, soft_wrap=True)
     if hf_upload_path:
-        push_merged(target_dir, hf_upload_path, revision, private is not False)
+        push_merged(target_dir, hf_upload_path, revision=revision, private=private is not False)
 
 
 @app.command("test")
@@ -301,10 +295,14 @@ def test_command(
     if trust_remote_code and not logits:
         refuse("--trust-remote-code applies to the logits check, which --no-logits turns off: drop one of them")
 
+    from mergecore import MergeRequest, MergeSettings, MergeSource, MergeTarget
+
+    what = MergeSource(local_dir, role=role, backend=backend, hf_dir=hf_model_path, custom_mapping=custom_mapping)
+    how = MergeSettings(dtype=dtype, tie_word_embedding=True if tie_word_embedding else None)
     with tempfile.TemporaryDirectory(prefix="ckptflow-test-") as scratch:
         target = Path(scratch) / "merged"
-        manifest = run_merge(local_dir, target, backend, role, hf_model_path, dtype, "5GB", tie_word_embedding,
-                             is_value_model, False, True, False, 2, custom_mapping)
+        request = MergeRequest(what, how, MergeTarget(str(target)))
+        manifest = run_merge(request, opened_for_merge(request), is_value_model)
         results = manifest["verification"] + reference_checks(target, Path(test_hf_dir), trust_remote_code, logits,
                                                               atol, rtol)
     print_checks(results)
@@ -333,65 +331,14 @@ def verify(
 
     A manifest's source is opened only when it is a local path or given with --source: verifying a downloaded
     model never contacts a host its manifest names."""
-    from mergecore.proofs.verify import reference_checks
-
     if not reference and (logits or trust_remote_code or atol is not None or rtol is not None):
         refuse("--logits, --trust-remote-code, --atol and --rtol apply to the comparison with a reference model: "
                "add --reference FOLDER")
-    from mergecore import open_target
-    from mergecore.targets import LocalTarget
+    from mergecore import verify as verify_model
 
-    place = open_target(target)
-    if isinstance(place, LocalTarget):
-        results = verify_folder(place.path, skip_source, custom_mapping, hf_model_path, source)
-    else:  # file by file, by ranged reads: no whole local copy
-        results = verify_remote_folder(place.url, skip_source, custom_mapping, hf_model_path, source)
-    if reference:
-        with place.local_copy() as folder:  # a remote model is compared from a local copy of its files
-            results += reference_checks(folder, reference, trust_remote_code, logits, atol, rtol)
-    print_checks(results)
-
-
-def verify_folder(folder: Path, skip_source: bool, custom_mapping: Optional[str], hf_model_path: Optional[str],
-                  source_path: Optional[str] = None) -> list:
-    """Manifest hashes and (unless `skip_source`) the copied files and the round trip against the source."""
-    from mergecore import verify_manifest, verify_round_trip
-    from mergecore.proofs.verify import load_manifest, verify_copied_files
-
-    results = [verify_manifest(folder)]
-    if not skip_source:
-        manifest = load_manifest(folder)
-        source = merged_source(manifest, custom_mapping, hf_model_path, source_path)
-        results.append(verify_copied_files(folder, source, manifest))
-        results.append(verify_round_trip(source, folder, manifest.get("aliases", {})))
-    return results
-
-
-def verify_remote_folder(target: str, skip_source: bool, custom_mapping: Optional[str],
-                         hf_model_path: Optional[str], source_path: Optional[str] = None) -> list:
-    """`verify_folder` for a model on object storage: file by file, by ranged reads, no whole local copy."""
-    from mergecore import open_target
-    from mergecore.proofs.remote_verify import verify_remote
-
-    manifest = open_target(target).require_manifest()
-    source = None if skip_source else merged_source(manifest, custom_mapping, hf_model_path, source_path)
-    return verify_remote(target, source, manifest)
-
-
-def merged_source(manifest: dict, custom_mapping: Optional[str], hf_model_path: Optional[str],
-                  source_path: Optional[str] = None):
-    """The checkpoint a manifest names (or `source_path`), opened as its merge opened it (options, LoRA fused, Hub
-    layout); a location from the manifest only when local (`verify.manifest_source`)."""
-    from mergecore import open_checkpoint
-    from mergecore.engine.merge import merge_view
-    from mergecore.proofs.verify import manifest_source
-
-    location, hf_dir = manifest_source(manifest, source_path, hf_model_path)
-    used = {**manifest["source"].get("options", {})}  # how the merge opened it
-    source = open_checkpoint(location, backend=used.get("backend") or "auto", hf_dir=hf_dir,
-                             custom_mapping=custom_mapping or used.get("custom_mapping")
-                             or manifest["source"].get("custom_mapping"))
-    return merge_view(source, used.get("lora"))  # as merged: fused LoRA (base and adapter pieces), Hub layout
+    print_checks(verify_model(target, reference, source=source, hf_dir=hf_model_path, custom_mapping=custom_mapping,
+                              skip_source=skip_source, logits=logits, atol=atol, rtol=rtol,
+                              trust_remote_code=trust_remote_code))
 
 
 def print_checks(results: list[dict]) -> None:
@@ -417,11 +364,14 @@ def inspect(
                                             "HTML file: which rank holds which rows of which tensor (self-contained)."),
 ):
     """Describe a checkpoint: format, world size, mesh, placements, tensors and bytes per group (and its LoRA)."""
-    from mergecore.formats import open_checkpoint
+    from mergecore import MergeSource
+    from mergecore.engine.merge import open_source
     from mergecore.inspect import describe_source, refuse_unplaced, shown_view
 
-    opened = shown_view(open_checkpoint(source, role=role, backend=backend, custom_mapping=custom_mapping))
-    lora = lora_overrides(lora_alpha, lora_r, target_modules)
+    what = MergeSource(source, role=role, backend=backend, custom_mapping=custom_mapping,
+                       lora=lora_settings(alpha=lora_alpha, r=lora_r, target_modules=target_modules))
+    opened = shown_view(open_source(what))
+    lora = what.lora.overrides() or None
     report = describe_source(opened, lora, family=True)
     picture = None
     if html_file:
@@ -639,7 +589,7 @@ def notify(
         out.print(message or "completed", highlight=False, soft_wrap=True)
         out.print(since_event(event, finished), highlight=False, soft_wrap=True)
         return
-    fail(f"flow run {finished.name} ended {finished.state.name}: {message}", 1)
+    fail(f"flow run {finished.name} ended {finished.state.name}: {message}", exit_code=1)
 
 
 def since_event(event: dict, run) -> str:

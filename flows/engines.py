@@ -1,7 +1,7 @@
 """Where merge_group tasks run: threads of the flow's process, or the processes of a Dask cluster.
 
     runner = group_task_runner("dask", dask_workers=2, target="/models/step-100")
-    merge_checkpoint.with_options(task_runner=runner)(ref, target)
+    merge_checkpoint.with_options(task_runner=runner)(request)
 
 Only merge_group (merge_file for an object-storage target) is submitted to the runner; discovery,
 planning, staging and finalize (which takes the publish lock) run in the flow's own process. Workers must

@@ -16,7 +16,8 @@ from mergecore.inspect import shown_view
 from mergecore.picture import checkpoint_layout, render_markdown, write_picture
 from mergecore.storage import Location
 from ckptflow.tasks.caching import results_folder
-from ckptflow.tasks.sources import CheckpointRef, source_for
+from mergecore import MergeRequest
+from ckptflow.tasks.sources import opened
 
 ARTIFACT_KEY = "checkpoint-picture"
 
@@ -27,19 +28,19 @@ def picture_file(target: str) -> Path:
     return results_folder(target) / f"{Location.of(target).name or 'target'}.picture.html"
 
 
-def publish_picture(ref: CheckpointRef, target: str) -> Path:
-    """Draw the checkpoint of `ref` (metadata only, from the already opened files), write the page, and make
-    the `checkpoint-picture` artifact of this flow run. Returns the page's path.
+def publish_picture(request: MergeRequest, discovered: dict, target: str) -> Path:
+    """Draw the checkpoint of `request` as `discovered` (metadata only, from the already opened files), write the
+    page, and make the `checkpoint-picture` artifact of this flow run. Returns the page's path.
 
-    >>> publish_picture(CheckpointRef("ckpts/run1"), "models/run1")  # doctest: +SKIP
+    >>> publish_picture(MergeRequest.of("ckpts/run1", "models/run1"), discovered, "models/run1")  # doctest: +SKIP
     PosixPath('models/.run1.ckptflow-results/run1.picture.html')
     """
     from prefect.artifacts import create_markdown_artifact
 
-    layout = checkpoint_layout(shown_view(source_for(ref)), ref.lora_overrides)
+    layout = checkpoint_layout(shown_view(opened(request, discovered)), request.what.lora.overrides() or None)
     page = picture_file(target)
     page.parent.mkdir(parents=True, exist_ok=True)
     written = write_picture(layout, str(page))
     create_markdown_artifact(render_markdown(layout, str(written)), key=ARTIFACT_KEY,
-                             description=f"ranks × groups of {layout['checkpoint'].get('location', ref.checkpoint)}")
+                             description=f"ranks × groups of {layout['checkpoint'].get('location', request.what.checkpoint)}")
     return written

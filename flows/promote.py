@@ -2,6 +2,7 @@
 
 discover_shards -> validate_metadata -> plan_groups -> prepare_staging -> merge_group (mapped; merge_file,
 one per output file, for an object-storage target)
+(each passing its result on: the checkpoint's description and fingerprints -> the validated config -> the plan)
 -> finalize_model (round-trip, reference tensors and logits, then the atomic publish)
 -> run_equivalence_tests -> push_to_hub
 """
@@ -9,6 +10,7 @@ one per output file, for an object-storage target)
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import flow
@@ -17,14 +19,14 @@ from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
 
-from mergecore.numbers.nonfinite import check_nonfinite_policy, nonfinite_found
+from mergecore import LoraSettings, MergeRequest, MergeSettings, MergeSource, MergeTarget
+from mergecore.numbers.nonfinite import nonfinite_found
 from mergecore.targets.output import BackgroundHashes
 from mergecore.storage import Location
 from mergecore.targets import open_target
 from ckptflow.tasks import (discover_shards, finalize_model, merge_file, merge_group, plan_groups, prepare_staging, push_to_hub,
                    run_equivalence_tests, validate_metadata)
 from ckptflow.tasks.caching import group_cache_policy, merge_file_key, results_folder
-from ckptflow.tasks.sources import CheckpointRef, lora_options
 
 from .engines import group_task_runner, seen_from_workers
 from .pictures import publish_picture
@@ -33,24 +35,26 @@ from .reports import equivalence_rows, merge_report
 
 
 @flow(name="merge-checkpoint", task_runner=group_task_runner("threads"))
-def merge_checkpoint(ref: CheckpointRef, target: str, overwrite: bool = False, reference: str | None = None,
-                     trust_remote_code: bool = False) -> dict:
-    """Checkpoint -> verified Hugging Face folder at `target`; groups are cached across runs. The run holds the
-    target's lock from staging to publish (its tasks, here or on Dask workers, write under it)."""
-    source = discover_shards(ref)
-    validate_metadata(ref)
-    plan = plan_groups(ref)
-    place = open_target(target)
+def merge_checkpoint(request: MergeRequest, reference: str | None = None, trust_remote_code: bool = False) -> dict:
+    """Checkpoint -> verified Hugging Face folder at the request's target; groups are cached across runs. Each
+    step's result is the next one's input (discovered -> validated -> planned). The run holds the target's lock
+    from staging to publish (its tasks, here or on Dask workers, write under it)."""
+    discovered = discover_shards(request)
+    validated = validate_metadata(request, discovered)
+    planned = plan_groups(request, discovered, validated)
+    place = open_target(request.where.target)
     with place.lock():
-        return merge_under_lock(ref, place, source, plan, overwrite, reference, trust_remote_code)
+        return merge_under_lock(request, place, discovered, validated, planned, reference, trust_remote_code)
 
 
-def merge_under_lock(ref: CheckpointRef, place, source: dict, plan, overwrite: bool, reference: str | None,
+def merge_under_lock(request: MergeRequest, place, discovered: dict, validated: dict, planned, reference: str | None,
                      trust_remote_code: bool) -> dict:
     """The rest of `merge_checkpoint`: stage, merge the target's units (layer groups into a folder's staged
     files; whole files, each written by one task, on object storage), finalize."""
-    target, plan_as_is = place.url, as_is(plan)
-    staged = prepare_staging(ref, target, overwrite)
+    target, plan = place.url, planned.plan
+    edges = as_is(discovered), as_is(plan), as_is(validated), as_is(planned)  # large: not walked for futures
+    discovered_as_is, plan_as_is, validated_as_is, planned_as_is = edges
+    staged = prepare_staging(request, discovered_as_is, validated_as_is, planned_as_is)
     units = plan.files if place.unit == "files" else plan.groups
     if staged["published"]:  # a rerun after success: the target holds every unit
         futures = {}
@@ -58,21 +62,23 @@ def merge_under_lock(ref: CheckpointRef, place, source: dict, plan, overwrite: b
         merge = merge_file.with_options(cache_policy=group_cache_policy(target, merge_file_key),
                                         result_storage=results_folder(target))
         futures = {merge.with_options(refresh_cache=file in staged["created"]).submit(
-            ref, plan_as_is, file, target, staged["weights_id"]): file for file in largest_first(plan, units)}
+            request, discovered_as_is, validated_as_is, planned_as_is, file, staged["weights_id"]): file
+            for file in largest_first(plan, units)}
     else:
         merge = merge_group.with_options(cache_policy=group_cache_policy(target), result_storage=results_folder(target))
         rewritten = {g for g in plan.groups if any(t.file in staged["created"] for t in plan.in_group(g))}
-        futures = {merge.with_options(refresh_cache=group in rewritten).submit(ref, plan_as_is, group, staged["staging"]):
-                   group for group in largest_first(plan, units)}
+        futures = {merge.with_options(refresh_cache=group in rewritten).submit(
+            request, discovered_as_is, plan_as_is, group, staged["staging"]): group for group in largest_first(plan, units)}
     hashing = BackgroundHashes(Path(staged["staging"])) if place.unit == "groups" else nullcontext()  # sha256 as written
     with GroupProgress(len(futures), f"{place.unit} merged into {target}") as progress, hashing as hashes:
         states, receipts = finished_groups(futures, units, plan, progress, hashes)
-        manifest = finalize_model(ref, staged, target, overwrite, receipts, hashes, reference, trust_remote_code)
+        manifest = finalize_model(request, discovered_as_is, validated_as_is, planned_as_is, staged, receipts, hashes,
+                                  reference, trust_remote_code)
     cached = [u for u in units if not futures or states[u].name == "Cached"]  # reused: all of them
     written = receipts if futures else manifest.get("groups_written", [])  # reused: as the run that wrote them
-    create_markdown_artifact(merge_report(source, plan, written, cached, manifest), key="merge-report",
-                             description=f"merge of {source['location']}")
-    publish_picture(ref, target)  # the checkpoint drawn ranks × groups: an artifact and an HTML page
+    create_markdown_artifact(merge_report(discovered, plan, written, cached, manifest), key="merge-report",
+                             description=f"merge of {discovered['location']}")
+    publish_picture(request, discovered, target)  # the checkpoint drawn ranks × groups: an artifact and an HTML page
     return {**manifest, "cached_groups": cached}
 
 
@@ -108,6 +114,9 @@ def promote_checkpoint(
 ) -> dict:
     """Merge a training checkpoint, prove it equal to what was trained, and publish it to the Hub.
 
+    The parameters are flat because deployments and event triggers name them; they become one `MergeRequest`
+    here, checked before anything is opened, and that request is what the tasks receive.
+
     NaN/Inf weights fail the run unless `on_nonfinite="warn"` (then they are listed in the result
     and the manifest). A LoRA checkpoint is published fused (`lora`: both, the default, also writes the
     PEFT adapter to `lora_adapter/` of the same folder and repo; fuse); a save_lora_only one needs `base_model`.
@@ -117,23 +126,58 @@ def promote_checkpoint(
 
     `quantize` (fp8-block, w8a16, w4a16) publishes the quantized model instead, proven within the scheme's bound
     (`quantize_ignore`: module patterns kept unquantized; see docs/quantization.md)."""
-    check_nonfinite_policy(on_nonfinite)
-    runner = group_task_runner(task_runner, dask_address, dask_workers)  # a bad choice or a silent scheduler fails here
-    if task_runner != "threads":
-        checkpoint, hf_dir, custom_mapping = map(seen_from_workers, (checkpoint, hf_dir, custom_mapping))
-    given = {"alpha": lora_alpha, "r": lora_r, "target_modules": target_modules, "base_model": base_model}
-    lora_settings = lora_options(checkpoint, role, backend, hf_dir, custom_mapping, lora, given)
-    ref = CheckpointRef(checkpoint, role, backend, hf_dir, dtype, max_shard_size, custom_mapping=custom_mapping,
-                        on_nonfinite=on_nonfinite, lora=lora_settings, quantize=quantize,
-                        quantize_ignore=tuple(quantize_ignore or ()))
-    manifest = merge_checkpoint.with_options(task_runner=runner)(ref, target, overwrite, reference, trust_remote_code)
+    lora_settings = LoraSettings(output=lora, alpha=lora_alpha, r=lora_r, target_modules=target_modules,
+                                 base_model=base_model)
+    request = MergeRequest(
+        MergeSource(checkpoint, role=role, backend=backend, hf_dir=hf_dir, custom_mapping=custom_mapping,
+                    lora=lora_settings),
+        MergeSettings(dtype=dtype, max_shard_size=max_shard_size, on_nonfinite=on_nonfinite, quantize=quantize,
+                      quantize_ignore=tuple(quantize_ignore or ())),
+        MergeTarget(target, overwrite=overwrite))
+    return promote(request, reference=reference, trust_remote_code=trust_remote_code,
+                   hub=HubPush(hub_repo, revision, private, tag, hub_token_secret) if hub_repo else None,
+                   engine=Engine(task_runner, dask_address, dask_workers))
+
+
+@dataclass(frozen=True)
+class HubPush:
+    """Where a promotion is pushed: the repo, branch, visibility of a new repo, tag, and the Secret block holding
+    the token (default HF_TOKEN)."""
+
+    repo: str
+    revision: str | None = None
+    private: bool = True
+    tag: str | None = None
+    token_secret: str | None = None
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Where the groups are merged: threads of this process, or a Dask cluster (flows/engines.py)."""
+
+    task_runner: str = "threads"
+    dask_address: str | None = None
+    dask_workers: int | None = None
+
+
+def promote(request: MergeRequest, reference: str | None, trust_remote_code: bool, hub: HubPush | None,
+            engine: Engine) -> dict:
+    """`promote_checkpoint` on its request: merge (cached per group), the equivalence checks, the push."""
+    runner = group_task_runner(engine.task_runner, engine.dask_address, engine.dask_workers)  # fails here if bad
+    if engine.task_runner != "threads":
+        what = request.what
+        request = request.with_source(checkpoint=seen_from_workers(what.checkpoint),
+                                      hf_dir=seen_from_workers(what.hf_dir),
+                                      custom_mapping=seen_from_workers(what.custom_mapping))
+    manifest = merge_checkpoint.with_options(task_runner=runner)(request, reference, trust_remote_code)
+    target = request.where.target
     checks = run_equivalence_tests(target, manifest, reference, trust_remote_code)
     create_table_artifact(equivalence_rows(checks), key="equivalence", description="equivalence tests")
     result = {"target": Location.of(target).url, "checks": checks, "cached_groups": manifest["cached_groups"],
               "nonfinite": nonfinite_found(manifest.get("groups_written", []))}
-    if hub_repo:
-        pushed = push_to_hub(target, hub_repo, revision, private, tag, hub_token_secret)
-        create_link_artifact(pushed["url"], link_text=f"{hub_repo}@{pushed['revision']}", key="hub-revision")
+    if hub:
+        pushed = push_to_hub(target, hub.repo, hub.revision, hub.private, hub.tag, hub.token_secret)
+        create_link_artifact(pushed["url"], link_text=f"{hub.repo}@{pushed['revision']}", key="hub-revision")
         result["hub"] = pushed
     return result
 

@@ -1,11 +1,14 @@
-"""The library's whole-job entry points: a checkpoint merged into a target, or a LoRA adapter written to one.
+"""The library's public entry points, one per thing a user does: `merge`, `verify`, `inspect`, `push` (and
+`write_adapter_folder` for a LoRA adapter alone).
 
-Each holds the target's lock from the first check to the publish (`mergecore.targets`), so two writers of one
-target never interleave: the second waits, then finds the first one's model.
+`merge` holds the target's lock from the first check to the publish (`mergecore.targets`), so two writers of one
+target never interleave: the second waits, then finds the first one's model. Each takes plain values (paths, URLs)
+or a `MergeRequest` (`mergecore.request`) built once by the caller.
 
->>> manifest = merge_checkpoint("ckpts/run1", "out/model", dtype="bf16")  # doctest: +SKIP
->>> manifest["verification"][0]["ok"]                                      # doctest: +SKIP
-True
+>>> from ckptflow.testing.examples import example_checkpoint, example_target
+>>> manifest = merge(example_checkpoint(), example_target("api-model"), dtype="bf16")
+>>> manifest["dtype"], [check["ok"] for check in verify(example_target("api-model"))]
+('bfloat16', [True, True, True])
 """
 
 from __future__ import annotations
@@ -13,61 +16,153 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from .engine.merge import Prepared, Stopwatch, as_merged, metadata_bytes, open_source, prepare, recorded_source
 from .formats import CheckpointSource
-from .engine.merge import Prepared, Stopwatch, metadata_bytes, prepare
-from .numbers.nonfinite import check_nonfinite_policy
+from .request import MergeRequest, MergeSource
 from .targets import Target, open_target
 from .targets.base import check_apart
 
 
-def merge_checkpoint(
-    checkpoint: str,
-    target: str | Path | Target,
+def merge(
+    request: MergeRequest | str | Path,
+    target: str | Path | None = None,
     *,
-    role: str = "actor",
-    backend: str = "auto",
-    hf_dir: str | None = None,
-    dtype: str = "auto",
-    max_shard_size: str | int = "5GB",
-    tie_word_embedding: bool | None = None,
-    overwrite: bool = False,
-    verify: bool = True,
-    check_replicas: bool = False,
-    workers: int = 2,
     on_group: Callable[[str, dict], None] | None = None,
     on_tensor: Callable[[str], None] | None = None,
-    prepared: Prepared | None = None,
     checks: Callable[[Path], list[dict]] | None = None,
-    on_nonfinite: str = "warn",
-    chunk_bytes: int | str | None = None,
-    quantize: str | None = None,
-    quantize_ignore: tuple[str, ...] = (),
+    prepared: Prepared | None = None,
+    **options,
 ) -> dict:
-    """Merge a checkpoint into a verified Hugging Face model at `target` (a folder, published by one atomic
-    rename, or an fsspec URL, published by writing its manifest last). `on_group(unit, receipt)` follows the
-    groups (files, on object storage); `chunk_bytes` is the memory budget per worker (see `merge.merge_group`).
-    A target that already holds this very merge is reused (its metadata refreshed if it changed).
+    """Merge a checkpoint into a verified Hugging Face model at `target` (a folder, published by one atomic rename,
+    or an fsspec URL, published by writing its manifest last); returns its manifest. `request` is a
+    `MergeRequest`, or the checkpoint's path with the request's `options` as keywords (dtype, max_shard_size,
+    overwrite, role, lora, ...: `MergeRequest.of`). `on_group(unit, receipt)` follows the groups (files, on object
+    storage); `checks(folder)` adds checks (a reference model) before the publish; `prepared`: the request
+    already prepared by the caller. A target that already holds this very merge is reused (its metadata
+    refreshed if it changed).
 
-    >>> manifest = merge_checkpoint("ckpts/run1", "out/model", dtype="bf16")  # doctest: +SKIP
+    >>> from ckptflow.testing.examples import example_checkpoint, example_target
+    >>> manifest = merge(example_checkpoint(), example_target("merged"), dtype="fp32", max_shard_size="100KB")
+    >>> manifest["dtype"], len(manifest["files"]) > 1, manifest["verification"][0]["check"]
+    ('float32', True, 'round-trip')
     """
-    check_nonfinite_policy(on_nonfinite)
-    target = open_target(target)
-    with target.lock():
-        target.check(overwrite, [checkpoint])
+    if not isinstance(request, MergeRequest):
+        request = MergeRequest.of(str(request), None if target is None else str(target), **options)
+    elif target is not None or options:
+        raise TypeError("merge(request): the target and options belong in the MergeRequest")
+    if request.where is None:
+        raise TypeError("merge: give a target (the request has none)")
+    how, where = request.how, request.where
+    place = open_target(where.target)
+    with place.lock():
+        place.check(where.overwrite, [request.what.checkpoint])
         clock = Stopwatch()
-        prepared = prepared or prepare(checkpoint, role, backend, hf_dir, dtype, max_shard_size, tie_word_embedding,
-                                       check_replicas, quantize=quantize, quantize_ignore=quantize_ignore)
+        prepared = prepared or prepare(request)
         clock.lap("prepare")
         try:
-            staged = target.stage(prepared, overwrite, metadata_bytes(prepared.source))  # checks the source's folders too
+            staged = place.stage(prepared, where.overwrite, metadata_bytes(prepared.source))  # the source's folders too
             if staged["published"]:
-                return target.refresh(prepared, verify=verify, workers=workers, checks=checks)
-            return target.merge(prepared, staged, overwrite=overwrite, verify=verify, workers=workers, on_unit=on_group,
-                                on_tensor=on_tensor, on_nonfinite=on_nonfinite, chunk_bytes=chunk_bytes,
-                                extra={"timings": clock.laps}, checks=checks)
+                return place.refresh(prepared, verify=how.verify, workers=how.workers, checks=checks)
+            return place.merge(prepared, staged, overwrite=where.overwrite, verify=how.verify, workers=how.workers,
+                               on_unit=on_group, on_tensor=on_tensor, on_nonfinite=how.on_nonfinite,
+                               chunk_bytes=how.chunk_bytes, extra={"timings": clock.laps}, checks=checks)
         except BaseException:  # a failed check, a signal: no half-made folder stays beside the target
-            target.discard()
+            place.discard()
             raise
+
+
+merge_checkpoint = merge  # the name scripts and tests have used
+
+
+def verify(
+    folder: str | Path,
+    reference: str | Path | None = None,
+    *,
+    source: str | None = None,
+    hf_dir: str | None = None,
+    custom_mapping: str | None = None,
+    skip_source: bool = False,
+    logits: bool = False,
+    atol: float | None = None,
+    rtol: float | None = None,
+    trust_remote_code: bool = False,
+) -> list[dict]:
+    """Re-check a merged model (a folder, or an fsspec URL, read file by file): every file's sha256 against its
+    manifest, nothing beside them, the files copied from the source's huggingface/, and (unless `skip_source`)
+    the round trip against the checkpoint it was merged from, reopened as its merge opened it. `source`,
+    `hf_dir`, `custom_mapping` override the manifest's (whose locations are used only when local). With
+    `reference`: its tensors too (and logits with `logits`). Returns the check rows; a failed check raises
+    VerificationError.
+
+    >>> from ckptflow.testing.examples import example_checkpoint, example_target
+    >>> _ = merge(example_checkpoint(), example_target("to-verify"))
+    >>> [row["check"] for row in verify(example_target("to-verify"))]
+    ['manifest', 'copied files', 'round-trip']
+    """
+    from .proofs.verify import load_manifest, reference_checks, verify_copied_files, verify_manifest, verify_round_trip
+    from .targets import LocalTarget
+
+    place = open_target(folder)
+    if isinstance(place, LocalTarget):
+        results = [verify_manifest(place.path)]
+        if not skip_source:
+            manifest = load_manifest(place.path)
+            opened = merged_source(manifest, source, hf_dir, custom_mapping)
+            results.append(verify_copied_files(place.path, opened, manifest))
+            results.append(verify_round_trip(opened, place.path, manifest.get("aliases", {})))
+    else:  # file by file, by ranged reads: no whole local copy
+        from .proofs.remote_verify import verify_remote
+
+        manifest = place.require_manifest()
+        results = verify_remote(place.url, None if skip_source else merged_source(manifest, source, hf_dir,
+                                                                                  custom_mapping), manifest)
+    if reference:
+        with place.local_copy() as local:  # a remote model is compared from a local copy of its files
+            results += reference_checks(Path(local), Path(reference), trust_remote_code, logits, atol, rtol)
+    return results
+
+
+def merged_source(manifest: dict, source: str | None = None, hf_dir: str | None = None,
+                  custom_mapping: str | None = None) -> CheckpointSource:
+    """The checkpoint a manifest names (or `source`), opened as its merge opened it (`recorded_source`: backend,
+    custom mapping, LoRA fused, Hub layout); the manifest's own locations only when local (`manifest_source`)."""
+    from .proofs.verify import manifest_source
+
+    location, folder = manifest_source(manifest, source, hf_dir)
+    return as_merged(recorded_source(manifest, location, folder, custom_mapping))
+
+
+def inspect(checkpoint: str | Path | MergeSource, **source_options) -> dict:
+    """Describe a checkpoint without reading tensor data: format, world size, mesh, placements, and tensors,
+    bytes, dtypes and layouts per layer group (a LoRA save: its rank, alpha, target modules, where each came
+    from). `source_options`: role, backend, custom_mapping, lora (`MergeSource`).
+
+    >>> from ckptflow.testing.examples import example_checkpoint
+    >>> report = inspect(example_checkpoint())
+    >>> report["checkpoint"]["format"], report["checkpoint"]["world_size"], report["groups"][0]["group"]
+    ('verl-fsdp', 1, 'embed')
+    """
+    from .inspect import describe_source, shown_view
+
+    what = checkpoint if isinstance(checkpoint, MergeSource) else MergeSource(str(checkpoint), **source_options)
+    return describe_source(shown_view(open_source(what)), what.lora.overrides() or None)
+
+
+def push(folder: str | Path, repo_id: str, *, revision: str | None = None, private: bool = True,
+         tag: str | None = None, token: str | None = None) -> dict:
+    """Push a merged model (folder or fsspec URL) to a Hub repo as published, card and manifest included, and
+    check what the Hub then holds (endpoint and token from HF_ENDPOINT / HF_TOKEN unless `token`). Only a model
+    whose manifest still matches its files is pushed: anything else is refused before the Hub is contacted.
+
+    >>> from ckptflow.testing.examples import example_target
+    >>> push(example_target("never-merged"), "org/model")
+    Traceback (most recent call last):
+      ...
+    mergecore.errors.CheckpointError: ...never-merged: ...
+    """
+    from .hub import push_folder
+
+    return push_folder(folder, repo_id, revision=revision, private=private, token=token, tag=tag)
 
 
 def check_apart_from_source(target: Target, source: CheckpointSource) -> None:
@@ -76,28 +171,28 @@ def check_apart_from_source(target: Target, source: CheckpointSource) -> None:
         check_apart(target.url, str(place))
 
 
-def write_adapter_folder(source: CheckpointSource, target: str | Path | Target, overwrite: bool = False,
-                         overrides: dict | None = None, base_model: str | None = None) -> dict:
-    """Write the adapter of a LoRA checkpoint (full or save_lora_only) as a PEFT folder at `target`, checked
-    piece by piece and published atomically. Returns a small report.
+def write_adapter_folder(request: MergeRequest, source: CheckpointSource | None = None) -> dict:
+    """Write the adapter of a LoRA checkpoint (full or save_lora_only) as a PEFT folder at the request's target,
+    checked piece by piece and published atomically (`source`: the checkpoint already opened). Returns a small
+    report.
 
-    >>> write_adapter_folder(open_checkpoint("ckpts/run1"), "out/adapter")  # doctest: +SKIP
+    >>> write_adapter_folder(MergeRequest.of("ckpts/run1", "out/adapter", lora={"output": "adapter"}))  # doctest: +SKIP
     {'adapter': 'out/adapter', 'tensors': 8, 'pieces': 16, 'r': 8, 'alpha': 16.0}
     """
     from .views.lora import adapter_of, write_adapter_files
 
-    inner, hyper = adapter_of(source, overrides)  # refuses without alpha, before anything is written
-    target = open_target(target)
+    source = source or open_source(request.what)
+    lora, where = request.what.lora, request.where
+    inner, hyper = adapter_of(source, lora.overrides())  # refuses without alpha, before anything is written
+    target = open_target(where.target)
     with target.lock():
-        target.check(overwrite, [str(source.location)])
+        target.check(where.overwrite, [str(source.location)])
         check_apart_from_source(target, source)
         staging = target.open_staging(fresh=True)
         try:
-            written = write_adapter_files(inner, hyper, staging, base_model)
-            target.publish(staging, overwrite)
+            written = write_adapter_files(inner, hyper, staging, lora.base_model)
+            target.publish(staging, where.overwrite)
         except BaseException:
             target.discard()
             raise
     return {"adapter": target.url, **written, "r": hyper.r, "alpha": hyper.alpha}
-
-

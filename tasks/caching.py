@@ -16,7 +16,7 @@ from prefect.cache_policies import CachePolicy
 from mergecore.engine.fingerprints import file_key, group_key
 
 from .locks import FlockLockManager
-from .sources import prepared_for
+from .sources import opened
 
 
 def results_folder(target: str) -> Path:
@@ -30,14 +30,15 @@ def results_folder(target: str) -> Path:
 
 def merge_group_key(context, parameters: dict) -> str:
     """Fingerprints of the files the group reads + its slice of the plan + dtype + code + staging path."""
-    prepared = prepared_for(parameters["ref"])
-    return "merge-group-" + group_key(prepared.source, parameters["plan"], parameters["group"], parameters["staging"])
+    source = opened(parameters["request"], parameters["discovered"])
+    return "merge-group-" + group_key(source, parameters["plan"], parameters["group"], parameters["staging"])
 
 
 def merge_file_key(context, parameters: dict) -> str:
     """Fingerprints of the files the output file reads + its slice of the plan + dtype + code + the target."""
-    prepared = prepared_for(parameters["ref"])
-    return "merge-file-" + file_key(prepared.source, parameters["plan"], parameters["file"], parameters["target"])
+    request = parameters["request"]
+    source = opened(request, parameters["discovered"])
+    return "merge-file-" + file_key(source, parameters["planned"].plan, parameters["file"], request.where.target)
 
 
 def group_cache_policy(target: str, key=merge_group_key) -> CachePolicy:

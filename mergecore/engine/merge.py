@@ -1,7 +1,9 @@
-"""The merge engine, step by step: prepare (discover, validate, plan) -> merge one group -> finish the folder.
+"""The merge engine, step by step, on one `MergeRequest`: open it as merged (`as_merged`) -> `validate` ->
+`plan_merge` -> (`prepared_from`) -> merge one group -> finish the folder.
 
-Each step is one function so a pipeline can run them as separate tasks; where the output goes (staging, lock,
-publish) is the target's business (`mergecore.targets`), and `mergecore.api.merge_checkpoint` runs it all in order.
+Each step is one function whose result (JSON, or a dataclass of JSON) is the next one's input, so a pipeline runs
+them as separate tasks passing those results along; `prepare` runs the first ones in a row. Where the output goes
+(staging, lock, publish) is the target's business (`mergecore.targets`), and `mergecore.api.merge` runs it all.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from ..formats import CheckpointSource, open_checkpoint
 from ..formats.base import read_hf_config
 from ..families.config_check import check_config, tied_aliases, writes_output_head
 from ..families.layout import EMBEDDING, OUTPUT, tied_embeddings
-from ..views.lora import lora_view, write_adapter_beside
+from ..request import LoraSettings, MergeRequest, MergeSource, as_request
+from ..views.lora import fused_lora, lora_view, output_mode, write_adapter_beside
 from ..numbers.nonfinite import check_nonfinite_policy
 from .plan import MergePlan, make_plan
 from ..quantize.schemes import quantize_spec
@@ -49,6 +52,9 @@ class Prepared:
     config: dict
     plan: MergePlan
     options: dict = field(default_factory=dict)  # how it was opened and planned: recorded, so `verify` reopens alike
+
+
+LORA_FIELDS = tuple(LoraSettings.__dataclass_fields__)
 
 
 def check_tied_embeddings(source: CheckpointSource, config: dict, requested: bool | None) -> dict[str, str]:
@@ -91,57 +97,123 @@ def same_values(source: CheckpointSource, a: str, b: str) -> bool:
 def merge_view(source: CheckpointSource, lora: dict | None = None) -> CheckpointSource:
     """The checkpoint under the names and values a merge writes: a LoRA checkpoint as its fused model (HF names),
     then, on those names, the Hub's layout where transformers keeps another in memory (packed MoE experts, VLM
-    prefixes). The one place both views are applied, in this order; applying it twice changes nothing.
-
-    >>> merge_view(open_checkpoint("ckpts/run1")).tensors()  # doctest: +SKIP
-    """
+    prefixes). The one place both views are applied, in this order; applying it twice changes nothing."""
     from ..views.hub_layout import hub_view
 
     return hub_view(lora_view(source, lora))
 
 
-def prepare(
-    checkpoint: str,
-    role: str = "actor",
-    backend: str = "auto",
-    hf_dir: str | None = None,
-    dtype: str = "auto",
-    max_shard_size: str | int = "5GB",
-    tie_word_embedding: bool | None = None,
-    check_replicas: bool = False,
-    custom_mapping: str | None = None,
-    source: CheckpointSource | None = None,
-    lora: dict | None = None,
-    quantize: str | None = None,
-    quantize_ignore: tuple[str, ...] = (),
-) -> Prepared:
-    """Discover, validate against config.json, and plan. Raises CheckpointError on bad input.
+def open_source(what: MergeSource) -> CheckpointSource:
+    """The checkpoint a request names, opened as stored (rank files mmapped, their metadata read)."""
+    return open_checkpoint(what.checkpoint, what.role, what.backend, what.hf_dir, what.custom_mapping)
 
-    >>> prepared = prepare("ckpts/run1", dtype="bf16")   # doctest: +SKIP
-    >>> prepared.plan.files                              # doctest: +SKIP
-    ['model-00001-of-00001.safetensors']
-    """
-    source = source or open_checkpoint(checkpoint, role, backend, hf_dir, custom_mapping)  # or one already opened
-    opened_hf_dir = source.hf_dir
-    source = merge_view(source, lora)  # fused LoRA, then the Hub's layout
-    if source.hf_dir != opened_hf_dir:  # a save_lora_only merge takes the base model's: checked like the checkpoint's
+
+def lora_output(what: MergeSource, source: CheckpointSource) -> str | None:
+    """What a merge of this (opened, as stored) checkpoint writes for its LoRA: None (no LoRA), fuse, both or
+    adapter (`views.lora.output_mode`); LoRA settings for a checkpoint without LoRA are refused in one line."""
+    mode = output_mode(source, what.lora.output, what.lora.base_model)
+    if mode is None and what.lora.given():
+        raise CheckpointError(f"{source.location}: LoRA flags given but the checkpoint has no LoRA adapter tensors; drop them")
+    return mode
+
+
+def as_merged(what: MergeSource, source: CheckpointSource | None = None) -> CheckpointSource:
+    """The checkpoint of `what` (opened here unless `source`, opened as stored, is given) as a merge reads it:
+    `merge_view` with the LoRA output decided. The one way prepare, the pipeline's tasks and verify see it.
+    A request whose output is the LoRA adapter alone is no merge: refused, naming the ways to it."""
+    source = source or open_source(what)
+    mode = lora_output(what, source)
+    if mode == "adapter":
+        raise CheckpointError(f"{source.location}: holds a LoRA adapter to write alone (--lora adapter, or a "
+                              "save_lora_only checkpoint without --base-model), not a model to merge: write it with "
+                              "`ckptflow merge --lora adapter`, or pass --base-model to fuse it into its base model")
+    return merge_view(source, what.lora.overrides(mode) if mode else None)
+
+
+def described_inputs(source: CheckpointSource) -> dict:
+    """What discovery found, as JSON: format, location, world size, mesh, files, and the input files'
+    fingerprints (size, time or etag; no data read) with their digest, `identity`, that names this state."""
+    from .fingerprints import digest, input_fingerprints
+
+    fingerprints = input_fingerprints(source)
+    return {**source.describe(), "fingerprints": fingerprints, "identity": digest(fingerprints)}
+
+
+def validate(request: MergeRequest, source: CheckpointSource) -> dict:
+    """Every rank present and consistent, config.json read, tied embeddings agreed with it. Returns what the
+    later steps use, as JSON: `config`, `tied`, and a summary (`tensors`, `model_type`, `architectures`)."""
+    fused = fused_lora(source)
+    if fused is not None and fused.hf_dir != fused.inner.hf_dir:  # save_lora_only: the base model's, checked alike
         publishable_files(source.hf_dir, source.location)
     config = read_hf_config(source)
-    quantized = quantize_spec(quantize, tuple(quantize_ignore), config.get("model_type"))  # an unknown scheme: first
-    source.validate(check_replicas=check_replicas)
-    aliases = check_tied_embeddings(source, config, tie_word_embedding)
-    plan = make_plan(str(source.location), source.tensors(), resolve_dtype(dtype, config), aliases,
-                     parse_size(max_shard_size))
-    options = {"config_check": check_config(source, config, plan),  # what the merge writes, per transformers
-               "backend": source.backend, "hf_dir": str(source.hf_dir) if hf_dir else None,
-               "custom_mapping": custom_mapping, "dtype": dtype, "max_shard_size": max_shard_size,
-               "tie_word_embedding": tie_word_embedding, "check_replicas": check_replicas}
-    if quantized:  # the same plan with each selected weight as its quantized parts (config checked unquantized)
-        plan = make_plan(plan.source, source.tensors(), plan.dtype, aliases, parse_size(max_shard_size), quantized)
-        options.update(quantize=quantize, quantize_ignore=list(quantize_ignore))
-    if lora:
-        options["lora"] = lora
-    return Prepared(source, config, plan, options)
+    source.validate(check_replicas=request.how.check_replicas)
+    tied = check_tied_embeddings(source, config, request.how.tie_word_embedding)
+    return {"config": config, "tied": tied, "tensors": len(source.tensors()), "model_type": config.get("model_type"),
+            "architectures": config.get("architectures")}
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The plan of a validated checkpoint and how config.json was found to describe what it writes."""
+
+    plan: MergePlan
+    config_check: dict  # {"by": "transformers", "model": ...} or {"by": "shape table", ...}: kept in the manifest
+
+
+def plan_merge(request: MergeRequest, source: CheckpointSource, validated: dict) -> Planned:
+    """Layer groups packed into output files (every header fixed before any data is read), then checked against
+    what the config's model class saves (`families.config_check`)."""
+    config, how = validated["config"], request.how
+    plan = make_plan(str(source.location), source.tensors(), resolve_dtype(how.dtype, config), validated["tied"],
+                     parse_size(how.max_shard_size))
+    checked = check_config(source, config, plan)  # what the merge writes, per transformers: the unquantized names
+    quantized = quantize_spec(how.quantize, how.quantize_ignore, config.get("model_type"))
+    if quantized:  # the same plan with each selected weight as its quantized parts
+        plan = make_plan(plan.source, source.tensors(), plan.dtype, validated["tied"], parse_size(how.max_shard_size),
+                         quantized)
+    return Planned(plan, checked)
+
+
+def prepared_from(request: MergeRequest, source: CheckpointSource, validated: dict, planned: Planned) -> Prepared:
+    """The steps' results put together for the targets, with how it was opened and planned recorded (so `verify`
+    reopens it alike: `recorded_source`)."""
+    what, how = request.what, request.how
+    options = {"config_check": planned.config_check, "backend": source.backend,
+               "hf_dir": str(source.hf_dir) if what.hf_dir else None, "custom_mapping": what.custom_mapping,
+               "dtype": how.dtype, "max_shard_size": how.max_shard_size,
+               "tie_word_embedding": how.tie_word_embedding, "check_replicas": how.check_replicas}
+    if how.quantize:
+        options.update(quantize=how.quantize, quantize_ignore=list(how.quantize_ignore))
+    fused = fused_lora(source)
+    if fused is not None:
+        options["lora"] = what.lora.overrides(fused.output)
+    return Prepared(source, validated["config"], planned.plan, options)
+
+
+def recorded_source(manifest: dict, location: str, hf_dir: str | None = None,
+                    custom_mapping: str | None = None) -> MergeSource:
+    """The `what` of the merge a manifest records (its options), read from `location`; `hf_dir` and
+    `custom_mapping` given here win over the recorded ones."""
+    used = manifest["source"].get("options", {})
+    lora = {k: v for k, v in (used.get("lora") or {}).items() if k in LORA_FIELDS}
+    return MergeSource(location, backend=used.get("backend") or "auto", hf_dir=hf_dir,
+                       custom_mapping=custom_mapping or used.get("custom_mapping") or manifest["source"].get("custom_mapping"),
+                       lora=LoraSettings(**lora))
+
+
+def prepare(request: MergeRequest | str, source: CheckpointSource | None = None, **options) -> Prepared:
+    """Discover, validate against config.json, and plan: nothing written. Raises CheckpointError on bad input.
+    `source`: the checkpoint already opened (as stored); `request` may be a path, with `options` for the request.
+
+    >>> from ckptflow.testing.examples import example_checkpoint
+    >>> prepared = prepare(example_checkpoint(), dtype="bf16", max_shard_size="100KB")
+    >>> prepared.plan.dtype, len(prepared.plan.files) > 1
+    ('bfloat16', True)
+    """
+    request = as_request(request, **options)
+    source = as_merged(request.what, source)
+    validated = validate(request, source)
+    return prepared_from(request, source, validated, plan_merge(request, source, validated))
 
 
 def merge_group(

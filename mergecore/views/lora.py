@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CheckpointError, VerificationError
+from ..request import LORA_OUTPUTS
 from ..formats.base import CheckpointSource, Piece, TensorInfo
 
 PEFT_PREFIX = "base_model.model."
@@ -445,9 +446,6 @@ def write_adapter_beside(source: CheckpointSource, folder) -> list[str]:
         return []
     write_adapter_files(source.inner, source.hyperparameters, Path(folder) / ADAPTER_FOLDER, source.base_model)
     return [f"{ADAPTER_FOLDER}/{ADAPTER_CONFIG}", f"{ADAPTER_FOLDER}/{ADAPTER_WEIGHTS}"]
-
-
-LORA_OUTPUTS = ("fuse", "adapter", "both")
 
 
 def output_mode(source: CheckpointSource, requested: str | None, base_model: str | None = None) -> str | None:

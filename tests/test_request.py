@@ -1,0 +1,196 @@
+"""One typed request built at the edge; the promotion DAG passing data; one open of the checkpoint per promotion;
+the public API's examples running (issue 19, items 3 and 4)."""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import doctest
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import mergecore
+from mergecore import CheckpointError, MergeRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- the request refuses bad values, in one line, before anything is opened
+
+BAD = [
+    (["--dtype", "bf17"], "unknown --dtype 'bf17'"),
+    (["--max-shard-size", "0"], "--max-shard-size '0'"),
+    (["--max-shard-size", "five gigs"], "is not a size"),
+    (["--on-nonfinite", "ignore"], "--on-nonfinite 'ignore'"),
+    (["--workers", "0"], "--workers 0"),
+    (["--lora", "fused"], "--lora fused: choose one of"),
+    (["--lora-alpha", "-1"], "--lora-alpha -1"),
+]
+
+
+@pytest.mark.parametrize("flags, says", BAD)
+def test_merge_refuses_a_bad_value_before_opening_the_checkpoint(cli, tmp_path, flags, says):
+    # the checkpoint does not exist: the old code opened it first and reported that instead
+    result = cli("merge", "--local_dir", tmp_path / "no-such-checkpoint", "--target_dir", tmp_path / "out", *flags)
+    assert result.exit_code == 2, result.output
+    assert says in result.stderr and "no-such-checkpoint" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_the_request_checks_each_part_when_built():
+    with pytest.raises(CheckpointError, match="unknown --dtype 'fp8'"):
+        MergeRequest.of("ckpts/run1", dtype="fp8")
+    with pytest.raises(CheckpointError, match="not with --custom-mapping"):
+        MergeRequest.of("ckpts/run1", custom_mapping="map.yaml", lora={"alpha": 16.0})
+    with pytest.raises(TypeError, match="unknown option 'dtpye'"):
+        MergeRequest.of("ckpts/run1", dtpye="bf16")
+
+
+def test_the_request_travels_as_json():
+    request = MergeRequest.of("s3://ckpts/run1", "out/model", dtype="bf16", overwrite=True, chunk_bytes="16MB",
+                              lora={"output": "fuse", "alpha": 32.0, "r": 8})
+    again = MergeRequest.from_dict(json.loads(json.dumps(request.to_dict())))
+    assert again == request and again.what.lora.alpha == 32.0 and again.where.overwrite is True
+    assert pickle.loads(pickle.dumps(request)) == request  # as Dask ships it
+
+
+# ---- the DAG carries data
+
+@pytest.fixture
+def steps(demo, tmp_path):
+    """The first four tasks of a promotion run as plain functions, each fed the previous one's result."""
+    from ckptflow.tasks import discover_shards, plan_groups, prepare_staging, validate_metadata
+
+    request = MergeRequest.of(str(demo("fsdp2-w2").role_dir), str(tmp_path / "model"), dtype="keep",
+                              max_shard_size="100KB")
+    discovered = discover_shards.fn(request)
+    validated = validate_metadata.fn(request, discovered)
+    planned = plan_groups.fn(request, discovered, validated)
+    staged = prepare_staging.fn(request, discovered, validated, planned)
+    return request, discovered, validated, planned, staged
+
+
+def test_each_step_passes_json_on(steps):
+    request, discovered, validated, planned, _ = steps
+    assert json.loads(json.dumps(discovered)) == discovered and json.loads(json.dumps(validated)) == validated
+    assert discovered["world_size"] == 2 and len(discovered["fingerprints"]) == 2  # two rank files
+    assert validated["config"]["model_type"] == "qwen2" and validated["tied"] is False
+
+
+def test_the_plan_is_made_from_what_validation_returned(demo, steps):
+    """validate_metadata's result is the plan's input (the old flow dropped it and re-read config.json)."""
+    from ckptflow.tasks import plan_groups
+
+    request, discovered, validated, _, _ = steps
+    saved = json.loads((demo("fsdp2-w2").role_dir / "huggingface" / "config.json").read_text())
+    assert "float16" not in (saved.get("dtype"), saved.get("torch_dtype"))
+    auto = MergeRequest.of(request.what.checkpoint, dtype="auto")
+    said = {**validated, "config": {**validated["config"], "dtype": "float16", "torch_dtype": "float16"}}
+    assert plan_groups.fn(auto, discovered, said).plan.dtype == "float16"
+
+
+RERUN = """
+import json, pickle, sys
+from prefect.logging import disable_run_logger
+from mergecore import MergeRequest
+from ckptflow.tasks import merge_group
+
+inputs = pickle.loads(open(sys.argv[1], "rb").read())
+request = MergeRequest.from_dict(json.loads(inputs["request"]))
+try:
+  with disable_run_logger():  # the task's body alone, outside any flow run
+    for group in inputs["plan"].groups:
+        merge_group.fn(request, json.loads(inputs["discovered"]), inputs["plan"], group, inputs["staging"])
+except Exception as error:
+    print("refused:", error)
+    sys.exit(2)
+"""
+
+
+def rerun_groups_in_fresh_process(steps, tmp_path) -> subprocess.CompletedProcess:
+    request, discovered, _, planned, staged = steps
+    inputs = tmp_path / "inputs.pickle"
+    inputs.write_bytes(pickle.dumps({"request": json.dumps(request.to_dict()), "discovered": json.dumps(discovered),
+                                     "plan": planned.plan, "staging": staged["staging"]}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / ".shim"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", RERUN, str(inputs)], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_merge_group_reruns_in_a_fresh_process_from_its_inputs_alone(demo, steps, tmp_path):
+    """No per-process cache is needed: a new process given only the task's inputs writes the trained weights."""
+    _, _, _, planned, staged = steps
+    done = rerun_groups_in_fresh_process(steps, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    written = {}
+    for file in planned.plan.files:
+        written.update(load_file(str(Path(staged["staging"]) / file)))
+    reference = {}
+    for file in demo("fsdp2-w2").reference_dir.glob("*.safetensors"):
+        reference.update(load_file(str(file)))
+    assert written.keys() == reference.keys()
+    for name, values in reference.items():
+        assert np.array_equal(written[name], values), name
+
+
+def test_a_rerun_refuses_files_changed_since_discovery(demo_copy, tmp_path):
+    from ckptflow.tasks import discover_shards, plan_groups, prepare_staging, validate_metadata
+
+    ckpt = demo_copy("fsdp2-w2")
+    request = MergeRequest.of(str(ckpt.role_dir), str(tmp_path / "model"), dtype="keep")
+    discovered = discover_shards.fn(request)
+    validated = validate_metadata.fn(request, discovered)
+    planned = plan_groups.fn(request, discovered, validated)
+    staged = prepare_staging.fn(request, discovered, validated, planned)
+    rank = next(ckpt.role_dir.glob("model_world_size_2_rank_1.pt"))
+    os.utime(rank, (rank.stat().st_atime, rank.stat().st_mtime + 60))  # as a re-upload would
+    done = rerun_groups_in_fresh_process((request, discovered, validated, planned, staged), tmp_path)
+    assert done.returncode == 2 and "changed since the promotion discovered them" in done.stdout, done.stdout + done.stderr
+
+
+# ---- one open of the checkpoint per process per promotion
+
+def test_a_promotion_opens_each_rank_file_once(prefect_server, demo, tmp_path, monkeypatch):
+    from ckptflow.flows.promote import promote_checkpoint
+
+    role = demo("fsdp2-w2").role_dir
+    opened = collections.Counter()
+    real_open = builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and Path(file).name.startswith("model_world_size_"):
+            opened[Path(file).name] += 1
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    result = promote_checkpoint(checkpoint=str(role), target=str(tmp_path / "model"), dtype="keep")
+    assert all(check["ok"] for check in result["checks"])
+    assert opened == {"model_world_size_2_rank_0.pt": 1, "model_world_size_2_rank_1.pt": 1}, opened
+
+
+# ---- the public API, symmetric and with examples that run
+
+@pytest.mark.parametrize("name", ["merge", "verify", "inspect", "push"])
+def test_public_api_examples_run_unskipped(name):
+    function = getattr(mergecore, name)
+    assert callable(function) and function.__module__ == "mergecore.api"
+    found = doctest.DocTestFinder().find(function, name, globs=vars(sys.modules[function.__module__]).copy())[0]
+    assert found.examples and not any(e.options.get(doctest.SKIP) for e in found.examples)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    runner.run(found)
+    assert runner.summarize(verbose=False).failed == 0
+
+
+def test_the_inspect_function_survives_importing_its_namesake_module():
+    import mergecore.inspect  # noqa: F401  (the submodule: importing it sets the package's attribute)
+    from mergecore.inspect import describe_source  # noqa: F401
+
+    assert callable(mergecore.inspect) and mergecore.inspect.__module__ == "mergecore.api"
