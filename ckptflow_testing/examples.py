@@ -31,5 +31,5 @@ def example_checkpoint() -> str:
 
 
 def example_target(name: str) -> str:
-    """A fresh path for an example's output (nothing there yet)."""
-    return str(example_folder() / name)
+    """A fresh path for an example's output (nothing there yet, however often the example runs in a process)."""
+    return str(Path(tempfile.mkdtemp(dir=example_folder())) / name)

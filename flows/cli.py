@@ -366,7 +366,7 @@ def inspect(
     """Describe a checkpoint: format, world size, mesh, placements, tensors and bytes per group (and its LoRA)."""
     from mergecore import MergeSource
     from mergecore.engine.merge import open_source
-    from mergecore.inspect import describe_source, refuse_unplaced, shown_view
+    from mergecore.describe import describe_source, refuse_unplaced, shown_view
 
     what = MergeSource(source, role=role, backend=backend, custom_mapping=custom_mapping,
                        lora=lora_settings(alpha=lora_alpha, r=lora_r, target_modules=target_modules))

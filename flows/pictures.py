@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mergecore.inspect import shown_view
+from mergecore.describe import shown_view
 from mergecore.picture import checkpoint_layout, render_markdown, write_picture
 from mergecore.storage import Location
 from ckptflow.tasks.caching import results_folder

@@ -10,17 +10,16 @@ The four things a user does, in the manner of safetensors' `save_file`/`load_fil
 >>> from ckptflow.testing.examples import example_checkpoint, example_target
 >>> inspect(example_checkpoint())["checkpoint"]["world_size"]
 1
->>> merge(example_checkpoint(), example_target("package-model"), dtype="bf16")["dtype"]
+>>> model = example_target("package-model")
+>>> merge(example_checkpoint(), model, dtype="bf16")["dtype"]
 'bfloat16'
->>> all(check["ok"] for check in verify(example_target("package-model")))
+>>> all(check["ok"] for check in verify(model))
 True
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 
 from .errors import CheckpointError, VerificationError
 
@@ -50,22 +49,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-class _Package(types.ModuleType):
-    """`mergecore.inspect` is the public function even though a submodule has that name too (`mergecore/inspect.py`,
-    the descriptions behind it): importing a submodule sets the package's attribute of its name, and this keeps
-    that one assignment from replacing the function. `from mergecore.inspect import describe_source` still works
-    (it reads sys.modules)."""
-
-    @property
-    def inspect(self):
-        return __getattr__("inspect")
-
-    @inspect.setter
-    def inspect(self, value):
-        if not isinstance(value, types.ModuleType):
-            self.__dict__["inspect"] = value
-
-
-sys.modules[__name__].__class__ = _Package

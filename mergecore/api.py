@@ -6,8 +6,9 @@ target never interleave: the second waits, then finds the first one's model. Eac
 or a `MergeRequest` (`mergecore.request`) built once by the caller.
 
 >>> from ckptflow.testing.examples import example_checkpoint, example_target
->>> manifest = merge(example_checkpoint(), example_target("api-model"), dtype="bf16")
->>> manifest["dtype"], [check["ok"] for check in verify(example_target("api-model"))]
+>>> model = example_target("api-model")
+>>> manifest = merge(example_checkpoint(), model, dtype="bf16")
+>>> manifest["dtype"], [check["ok"] for check in verify(model)]
 ('bfloat16', [True, True, True])
 """
 
@@ -95,8 +96,9 @@ def verify(
     VerificationError.
 
     >>> from ckptflow.testing.examples import example_checkpoint, example_target
-    >>> _ = merge(example_checkpoint(), example_target("to-verify"))
-    >>> [row["check"] for row in verify(example_target("to-verify"))]
+    >>> model = example_target("to-verify")
+    >>> _ = merge(example_checkpoint(), model)
+    >>> [row["check"] for row in verify(model)]
     ['manifest', 'copied files', 'round-trip']
     """
     from .proofs.verify import load_manifest, reference_checks, verify_copied_files, verify_manifest, verify_round_trip
@@ -142,7 +144,7 @@ def inspect(checkpoint: str | Path | MergeSource, **source_options) -> dict:
     >>> report["checkpoint"]["format"], report["checkpoint"]["world_size"], report["groups"][0]["group"]
     ('verl-fsdp', 1, 'embed')
     """
-    from .inspect import describe_source, shown_view
+    from .describe import describe_source, shown_view
 
     what = checkpoint if isinstance(checkpoint, MergeSource) else MergeSource(str(checkpoint), **source_options)
     return describe_source(shown_view(open_source(what)), what.lora.overrides() or None)

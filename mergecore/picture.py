@@ -24,7 +24,7 @@ from pathlib import Path
 from .numbers.arrays import element_size
 from .errors import CheckpointError
 from .formats.fetching import places_only
-from .inspect import describe_source
+from .describe import describe_source
 from .families.layout import group_of
 from .views.lora import hf_name, is_lora_name
 
@@ -69,7 +69,7 @@ def tensor_kind(name: str) -> str:
 def checkpoint_layout(source, lora: dict | None = None) -> dict:
     """Facts, groups and, per tensor, each holder's boxes (`[holder, offsets, sizes, primary]`): plain data.
 
-    `source` is the view to draw (`mergecore.inspect.shown_view`); no tensor value is read (remote sources do
+    `source` is the view to draw (`mergecore.describe.shown_view`); no tensor value is read (remote sources do
     not even download them, see `places_only`). `holders` are the rank files (their labels), in rank order.
 
     >>> checkpoint_layout(source)["holders"][:2]  # doctest: +SKIP

@@ -20,7 +20,7 @@ import torch
 from conftest import copy_run
 from mergecore import CheckpointError, compare_logits, merge_checkpoint
 from mergecore.formats.fsdp import load_rank_file
-from mergecore.inspect import describe_checkpoint
+from mergecore.describe import describe_checkpoint
 from mergecore.families.layout import check_against_config
 from weights import assert_cast_of, load_folder
 from helpers import assert_refused

@@ -92,7 +92,7 @@ def test_vlm_names_and_groups_are_the_hub_layout(tmp_path):
 
 
 def test_inspect_reports_the_hub_layout(moe):
-    from mergecore.inspect import describe_checkpoint
+    from mergecore.describe import describe_checkpoint
 
     groups = {g["group"]: g for g in describe_checkpoint(str(moe.role_dir))["groups"]}
     assert list(groups) == ["embed", "layers.0", "layers.1", "head"]

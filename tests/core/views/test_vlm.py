@@ -108,7 +108,7 @@ def test_processor_files_are_copied_verbatim(vlm, merged):
 
 def test_plan_and_inspect_give_the_vision_tower_groups_of_its_own(vlm, merged, cli):
     out, manifest = merged
-    from mergecore.inspect import describe_checkpoint
+    from mergecore.describe import describe_checkpoint
 
     groups = {g["group"]: g["tensors"] for g in describe_checkpoint(str(vlm.role_dir))["groups"]}
     assert list(groups) == ["embed", "layers.0", "layers.1", "head", "visual", "visual.blocks.0", "visual.blocks.1"]

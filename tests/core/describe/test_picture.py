@@ -210,7 +210,7 @@ def test_picture_of_an_s3_checkpoint_downloads_no_tensor_bytes(s3_env, demo):
     pytest.importorskip("s3fs")
     from ckptflow.testing.s3_reads import counting
     from mergecore.formats import open_checkpoint
-    from mergecore.inspect import shown_view
+    from mergecore.describe import shown_view
     from mergecore.picture import checkpoint_layout
 
     ckpt = demo("fsdp2-w2")
