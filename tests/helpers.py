@@ -7,6 +7,7 @@ import socket
 import struct
 import zipfile
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent  # the repository root, whatever folder a test sits in
@@ -96,3 +97,17 @@ def damage_tensor_member(path: Path, offset: int = 0, length: int | None = None)
 def damaged_fsdp(ckpt) -> tuple[Path, str]:
     path = ckpt.role_dir / "model_world_size_2_rank_0.pt"
     return path, damage_tensor_member(path)
+
+
+@contextmanager
+def torch_threads(count: int):
+    """torch at `count` threads inside the block: MoE and attention kernels differ in the last bit across thread
+    counts, so logits are compared at the thread count the reference was computed with."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -9,12 +9,12 @@ and saved as verl saves it. `reference/` is its own save_pretrained and its own 
 
 from __future__ import annotations
 
+from helpers import torch_threads
 import json
 import pytest
 import torch
 
 from ckptflow.testing.demo_checkpoint import LOGITS_FILE
-from conftest import copy_run
 from mergecore import CheckpointError, compare_logits, merge_checkpoint
 from weights import load_folder
 
@@ -39,15 +39,10 @@ def test_qwen3_next_merges_to_save_pretrained_files_and_own_logits(qwen3_next, t
     import transformers
 
     own = torch.load(qwen3_next.reference_dir / LOGITS_FILE, weights_only=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the reference's thread count: MoE kernels differ in the last bit across counts
-    try:
+    with torch_threads(1), torch.no_grad():  # the reference's thread count
         model = transformers.Qwen3NextForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        with torch.no_grad():
-            logits = model(input_ids=own["input_ids"]).logits
+        logits = model(input_ids=own["input_ids"]).logits
         assert compare_logits(out, qwen3_next.reference_dir)["max_abs_diff"] == 0.0
-    finally:
-        torch.set_num_threads(threads)
     torch.testing.assert_close(logits, own["logits"], atol=1e-5, rtol=1e-5)
 
 

@@ -13,6 +13,7 @@ values) and the merged folder's logits, at the reference's thread count, must be
 from __future__ import annotations
 
 
+from helpers import torch_threads
 import pytest
 import torch
 
@@ -83,14 +84,9 @@ def merged(families, tmp_path_factory):
 
 def _own_logits(arch: str, folder, own: dict):
     """The merged folder's logits on the reference's ids, at the reference's thread count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(own["threads"])  # MoE and attention kernels differ in the last bit across thread counts
-    try:
+    with torch_threads(own["threads"]), torch.no_grad():
         model = model_class(arch).from_pretrained(folder, dtype=torch.float32).eval()
-        with torch.no_grad():
-            return text_model(model, arch)(input_ids=own["input_ids"]).logits.float()
-    finally:
-        torch.set_num_threads(threads)
+        return text_model(model, arch)(input_ids=own["input_ids"]).logits.float()
 
 
 @pytest.mark.parametrize("arch", FAMILY_ARCHS)

@@ -9,6 +9,7 @@ model trained one step under real FSDP2 on 2 gloo ranks and saved as verl saves 
 
 from __future__ import annotations
 
+from helpers import torch_threads
 import json
 import shutil
 import tracemalloc
@@ -52,17 +53,12 @@ def test_joined_outputs_merge_to_save_pretrained_files_and_own_logits(sarvam, me
         assert weights[name].dtype == tensor.dtype and torch.equal(weights[name], tensor), name
 
     own = torch.load(sarvam.reference_dir / LOGITS_FILE, weights_only=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the reference's thread count: MoE kernels differ in the last bit across counts
-    try:
-        import transformers
+    import transformers
 
+    with torch_threads(1), torch.no_grad():  # the reference's thread count
         model = transformers.Glm4MoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        with torch.no_grad():
-            logits = model(input_ids=own["input_ids"]).logits
+        logits = model(input_ids=own["input_ids"]).logits
         assert compare_logits(out, sarvam.reference_dir)["max_abs_diff"] == 0.0
-    finally:
-        torch.set_num_threads(threads)
     torch.testing.assert_close(logits, own["logits"], atol=1e-5, rtol=1e-5)
 
 
