@@ -116,7 +116,8 @@ def test_lora_fused_then_quantized_decodes_within_bound_of_peft_merge(demo, cli,
     assert assert_decodes_within_bound(out, fused, scheme, torch.bfloat16) == 2 * 7
     base = load_folder(ckpt.reference_dir / "base")
     q_proj = "model.layers.0.self_attn.q_proj.weight"
-    assert (fused[q_proj] - base[q_proj]).abs().max() > 0.01  # the adapter moved it: fused-then-quantized is tested
+    # the adapter moved it far past every scheme's bound: quantizing the base weights instead would fail above
+    assert (fused[q_proj] - base[q_proj]).abs().mean() > 0.04
     if scheme != "fp8-block":
         assert assert_packed_as_compressed_tensors(out, fused, scheme) == 2 * 7
     adapter = folder_tensors(out / "lora_adapter")
