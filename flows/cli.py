@@ -127,7 +127,7 @@ def lora_overrides(alpha: float | None, r: int | None, target_modules: str | Non
 
 
 def write_lora_adapter(local_dir, target_dir, backend, role, hf_model_path, overwrite, requested, overrides,
-                       hf_upload_path):
+                       hf_upload_path, quantize=None):
     """Write the PEFT adapter folder when the LoRA output is `adapter` and return None; else the opened
     source, for the normal merge (opened once), with the LoRA output chosen put in `overrides`."""
     from mergecore import open_checkpoint, open_target, write_adapter_folder
@@ -135,7 +135,7 @@ def write_lora_adapter(local_dir, target_dir, backend, role, hf_model_path, over
 
     open_target(target_dir).check(overwrite, [local_dir])  # refused before the checkpoint is read, as always
     source = open_checkpoint(local_dir, role, backend, hf_model_path)
-    mode = output_mode(source, requested, overrides.get("base_model"))
+    mode = output_mode(source, requested, overrides.get("base_model"), quantize)
     if mode != "adapter":
         if mode is not None:
             overrides["output"] = mode
@@ -257,7 +257,7 @@ def merge(
     source = None
     if custom_mapping is None:  # opened here once: a LoRA adapter output is written without the merge below
         source = write_lora_adapter(local_dir, target_dir, backend, role, hf_model_path, overwrite, lora, overrides,
-                                    hf_upload_path)
+                                    hf_upload_path, quantize)
         if source is None:
             return
     elif lora is not None or base_model:

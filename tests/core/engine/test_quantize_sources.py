@@ -122,3 +122,19 @@ def test_lora_fused_then_quantized_decodes_within_bound_of_peft_merge(demo, cli,
         assert assert_packed_as_compressed_tensors(out, fused, scheme) == 2 * 7
     adapter = folder_tensors(out / "lora_adapter")
     assert adapter and all(".lora_" in name for name in adapter)
+
+
+@pytest.mark.parametrize("fixture, options, fix", [
+    ("quant-lora", ("--lora", "adapter"), "use --lora fuse or both"),
+    ("lora-only", (), "pass --base-model PATH_OR_REPO to fuse it"),  # save_lora_only: the adapter is all it can write
+], ids=["lora-adapter", "save-lora-only"])
+def test_quantize_with_an_adapter_only_output_is_one_line_and_writes_nothing(demo, cli, tmp_path, fixture, options,
+                                                                             fix):
+    """Only a fused model is quantized: an adapter-only LoRA output with --quantize was written unquantized, exit 0."""
+    pytest.importorskip("peft")
+    result = cli("merge", "--local-dir", demo(fixture).run_root, "--target-dir", tmp_path / "out", "--quantize",
+                 "w4a16", *options)
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "--quantize w4a16 quantizes a fused model" in line and fix in line
+    assert not (tmp_path / "out").exists()
