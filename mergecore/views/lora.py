@@ -458,9 +458,10 @@ def output_mode(source: CheckpointSource, requested: str | None, base_model: str
     `quantize` with an adapter-only output among them (only a fused model is quantized)."""
     mode = _output_mode(source, requested, base_model)
     if mode == "adapter" and quantize:
-        fix = "pass --base-model PATH_OR_REPO to fuse it" if requested is None else "use --lora fuse or both"
-        raise CheckpointError(f"{source.location}: --quantize {quantize} quantizes a fused model, but this merge writes "
-                              f"the LoRA adapter alone (unquantized); {fix}, or drop --quantize")
+        fix = "pass --base-model PATH_OR_REPO to fuse it" if requested is None else \
+            "use --lora fuse or both (with --base-model for a save_lora_only checkpoint)"
+        raise CheckpointError(f"{source.location}: --quantize {quantize} quantizes a fused model, but this merge "
+                              f"writes the LoRA adapter alone (unquantized); {fix}, or drop --quantize")
     return mode
 
 
