@@ -254,7 +254,7 @@ def merge(
                       quantize=quantize, quantize_ignore=tuple(quantize_ignore or ())),
         MergeTarget(target_dir, overwrite=overwrite))
     source = opened_for_merge(request)
-    if lora_output(request.what, source) == "adapter":
+    if lora_output(request.what, source, request.how.quantize) == "adapter":
         if hf_upload_path:
             refuse("--hf_upload_path with a LoRA adapter output is not supported yet: push the adapter folder yourself")
         return write_lora_adapter(request, source)

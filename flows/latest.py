@@ -102,9 +102,12 @@ def promote_latest(
     private: bool = True,
     max_shard_size: str = "5GB",
     hub_token_secret: str | None = None,
+    quantize: str | None = None,
+    quantize_ignore: list[str] | None = None,
 ) -> dict:
     """For each run root, promote the step its tracker names unless it is already promoted; then apply
-    retention. Returns {run: {step, promoted, target, hub_repo, revision, removed}}."""
+    retention. Returns {run: {step, promoted, target, hub_repo, revision, removed}}. `quantize`, `quantize_ignore`:
+    as promote_checkpoint's (every promotion published quantized)."""
     from ckptflow.tasks.hub import hub_token
 
     if keep_last_n is not None:
@@ -124,7 +127,8 @@ def promote_latest(
         else:
             promote_checkpoint(checkpoint=run_root.join(f"global_step_{step}", role).url, target=place["target"],
                                dtype=dtype, hub_repo=place["hub_repo"], revision=place["revision"], private=private,
-                               max_shard_size=max_shard_size, role=role, hub_token_secret=hub_token_secret)
+                               max_shard_size=max_shard_size, role=role, hub_token_secret=hub_token_secret,
+                               quantize=quantize, quantize_ignore=quantize_ignore)
         removed = prune(target_root, run_root.name, place["hub_repo"], keep_last_n, token) if keep_last_n else {}
         report[run_root.name] = {"step": step, "promoted": not done, **place, "removed": removed}
     return report

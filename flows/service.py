@@ -167,17 +167,21 @@ def promote_uploaded(
     backend: str = "auto",
     hub_token_secret: str | None = None,
     on_nonfinite: str = "fail",
+    quantize: str | None = None,
+    quantize_ignore: list[str] | None = None,
 ):
     """Promote the checkpoint an event announced, if it lies below the deployment's checkpoint root, inside its
     target root and Hub organisation, to the derived branch (or one its revision pattern allows).
 
     `event_id` is the event that asked for this run (`ckptflow notify --wait` finds the run by it). The final
-    state's message says where the model is."""
+    state's message says where the model is. `quantize`/`quantize_ignore`: as promote_checkpoint's (a deployment
+    that publishes quantized models, docs/quantization.md)."""
     source = inside_checkpoint_root(checkpoint, checkpoint_root)
     place = event_place(checkpoint, target_root, hub_org, step, run, target, hub_repo, revision, revision_pattern)
     result = promote_checkpoint(checkpoint=source, **place, dtype=dtype, private=private,
                                 max_shard_size=max_shard_size, role=role, backend=backend,
-                                hub_token_secret=hub_token_secret, on_nonfinite=on_nonfinite)
+                                hub_token_secret=hub_token_secret, on_nonfinite=on_nonfinite, quantize=quantize,
+                                quantize_ignore=quantize_ignore)
     return Completed(message=where_message(result), data=result)
 
 

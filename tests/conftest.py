@@ -51,6 +51,9 @@ QUANTIZABLE = {
                                  tie_word_embeddings=True),
     "quant-moe": DemoSpec(arch="qwen3_moe", hidden_size=128, intermediate_size=512, num_attention_heads=2,
                           num_key_value_heads=2),
+    # LoRA fused then quantized (tests/core/engine/test_quantize_sources.py): the LoRA fixtures' hidden 64 is too small
+    "quant-lora": DemoSpec(lora=True, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                           num_key_value_heads=2),
 }
 
 ALL = {**VARIANTS, **FAMILIES, **WEIGHT_HEAVY, **QUANTIZABLE}

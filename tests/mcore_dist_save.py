@@ -7,7 +7,7 @@ Run as a script (megatron-core's writers spawn processes: needs the __main__ gua
         ground truth), OUT_DIR/logits.pt (Megatron's own forward on a fixed prompt) and
         OUT_DIR/huggingface/config.json. KIND (see KINDS): dense
         (Qwen2-like), tied (embeddings shared with the output layer), llama (no qkv bias), qwen3 (q/k
-        norms, head_dim 32), moe (Qwen2-MoE-like).
+        norms, head_dim 32), moe (Qwen2-MoE-like), quant (dense with hidden 128, ffn 256: quantizable).
     python mcore_dist_save.py reshard SOURCE_DIR DIST_ROLE LEGACY_ROLE PORT TP PP VPP
             [KIND [stacked|per-layer [EP ETP]]]
         TP*PP*DP gloo processes (DP = EP*ETP/TP when that is more than 1) build the same model split
@@ -37,6 +37,9 @@ import sys
 import warnings
 
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, PADDED_VOCAB = 4, 64, 4, 2, 128, 300, 384
+# kind -> (hidden, heads, query groups, ffn) where it differs from the above. quant: Qwen2-like with every Linear
+# dim a multiple of 128 (head_dim 64, q/k/v 128 rows each), as quantized exports need (tests/core/engine/test_quantize*.py)
+SIZES = {"quant": (128, 2, 2, 256)}
 TOKENS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
 
 
@@ -61,7 +64,7 @@ def _start(rank: int, world: int, port: str, tp: int = 1, pp: int = 1, vpp: int 
                                              expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
 
 
-KINDS = ("dense", "tied", "moe", "llama", "qwen3")  # dense: Qwen2-like (GQA, qkv bias, SwiGLU)
+KINDS = ("dense", "tied", "moe", "llama", "qwen3", "quant")  # dense: Qwen2-like (GQA, qkv bias, SwiGLU)
 
 
 def _models(kind: str, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, etp: int | None = None) -> list:
@@ -73,12 +76,14 @@ def _models(kind: str, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, etp:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    hidden, heads, groups, ffn = SIZES.get(kind, (HIDDEN, HEADS, GROUPS, FFN))
     extra = {"dense": dict(add_qkv_bias=True), "tied": dict(add_qkv_bias=True), "llama": {},
+             "quant": dict(add_qkv_bias=True),
              "qwen3": dict(qk_layernorm=True, kv_channels=32),  # head_dim 32 != hidden / heads
              "moe": dict(add_qkv_bias=True, num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
                          moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True)}[kind]
     config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS, ffn_hidden_size=FFN,
+        num_layers=LAYERS, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups, ffn_hidden_size=ffn,
         gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -116,8 +121,9 @@ def _forward(model, out: str) -> None:
 
 
 def _hf_config(kind: str) -> dict:
-    hf = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": HIDDEN, "intermediate_size": FFN,
-          "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": GROUPS, "vocab_size": VOCAB,
+    hidden, heads, groups, ffn = SIZES.get(kind, (HIDDEN, HEADS, GROUPS, FFN))
+    hf = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": hidden, "intermediate_size": ffn,
+          "num_hidden_layers": LAYERS, "num_attention_heads": heads, "num_key_value_heads": groups, "vocab_size": VOCAB,
           "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu"}
     if kind == "tied":
         hf.update(tie_word_embeddings=True)

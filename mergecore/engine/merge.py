@@ -108,10 +108,11 @@ def open_source(what: MergeSource) -> CheckpointSource:
     return open_checkpoint(what.checkpoint, what.role, what.backend, what.hf_dir, what.custom_mapping)
 
 
-def lora_output(what: MergeSource, source: CheckpointSource) -> str | None:
+def lora_output(what: MergeSource, source: CheckpointSource, quantize: str | None = None) -> str | None:
     """What a merge of this (opened, as stored) checkpoint writes for its LoRA: None (no LoRA), fuse, both or
-    adapter (`views.lora.output_mode`); LoRA settings for a checkpoint without LoRA are refused in one line."""
-    mode = output_mode(source, what.lora.output, what.lora.base_model)
+    adapter (`views.lora.output_mode`); LoRA settings for a checkpoint without LoRA, and `quantize` with the
+    adapter alone, are refused in one line."""
+    mode = output_mode(source, what.lora.output, what.lora.base_model, quantize)
     if mode is None and what.lora.given():
         raise CheckpointError(f"{source.location}: LoRA flags given but the checkpoint has no LoRA adapter tensors; drop them")
     return mode

@@ -448,10 +448,22 @@ def write_adapter_beside(source: CheckpointSource, folder) -> list[str]:
     return [f"{ADAPTER_FOLDER}/{ADAPTER_CONFIG}", f"{ADAPTER_FOLDER}/{ADAPTER_WEIGHTS}"]
 
 
-def output_mode(source: CheckpointSource, requested: str | None, base_model: str | None = None) -> str | None:
+def output_mode(source: CheckpointSource, requested: str | None, base_model: str | None = None,
+                quantize: str | None = None) -> str | None:
     """What a merge of `source` writes: None (not LoRA); for a full save "both" (default: the fused model with
     the adapter in lora_adapter/), "fuse" or "adapter"; for save_lora_only "adapter" only, unless `base_model`
-    (--base-model) gives the weights to fuse into: then as for a full save. Contradictions are refused in one line."""
+    (--base-model) gives the weights to fuse into: then as for a full save. Contradictions are refused in one line,
+    `quantize` with an adapter-only output among them (only a fused model is quantized)."""
+    mode = _output_mode(source, requested, base_model)
+    if mode == "adapter" and quantize:
+        fix = "pass --base-model PATH_OR_REPO to fuse it" if requested is None else \
+            "use --lora fuse or both (with --base-model for a save_lora_only checkpoint)"
+        raise CheckpointError(f"{source.location}: --quantize {quantize} quantizes a fused model, but this merge "
+                              f"writes the LoRA adapter alone (unquantized); {fix}, or drop --quantize")
+    return mode
+
+
+def _output_mode(source: CheckpointSource, requested: str | None, base_model: str | None) -> str | None:
     names = list(source.tensors()) if source.format_name == "verl-fsdp" else []
     lora = bool(names) and is_lora_checkpoint(names)
     if requested is not None and requested not in LORA_OUTPUTS:
