@@ -1,5 +1,9 @@
 """Write a small but real verl-format FSDP checkpoint for tests and demos.
 
+Long (~1000 lines) because one spawn of real gloo ranks writes every kind the suite needs in one go (every
+FSDP wrapping verl uses, LoRA, critics, and a model per family; the family models' own configs are in
+`family_models.py`): starting ranks costs more than the rest, so the writer is one piece.
+
 The checkpoint is produced the way verl's ``FSDPCheckpointManager`` produces one:
 a tiny Hugging Face model is built from a seeded init on every rank, wrapped with
 FSDP (FSDP2 ``fully_shard`` on a 1-D or 2-D mesh, or FSDP1 with or without a

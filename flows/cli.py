@@ -2,6 +2,10 @@
 
 Flag spellings follow verl's `python -m verl.model_merger` (`--local_dir`, `--target_dir`, ...,
 dashed forms too), so verl users switch by changing the program name.
+
+Long (~630 lines) because it is the whole command surface, each command a thin parse-build-call: options are
+turned into a `MergeRequest` (mergecore.request) or handed to a flow here and nowhere else, so one file shows
+every flag a user can pass. The work itself lives in mergecore and the flows.
 """
 
 from __future__ import annotations

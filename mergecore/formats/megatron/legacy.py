@@ -1,6 +1,6 @@
 """verl's legacy Megatron checkpoints: `<role>/model/mp_rank_TT[_PPP]/model.pt`, read without megatron-core.
 
-Long (~530 lines): the legacy layout's discovery, its per-rank pieces and their TP/PP/VPP placement are one
+Long (~640 lines): the legacy layout's discovery, its per-rank pieces and their TP/PP/VPP/EP placement are one
 reader; the Megatron name tables and transforms are data in `families/`, what both readers share in `common.py`.
 
 Each `model.pt` holds one TP x PP rank's model state, as a list of per-virtual-pipeline-chunk state
