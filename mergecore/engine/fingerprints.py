@@ -31,7 +31,7 @@ OUTPUT_CODE = (
     "views/lora.py", "quantize/__init__.py", "quantize/kernels.py", "quantize/schemes.py", "quantize/stream.py",
 )
 NOT_OUTPUT_CODE = (
-    "__init__.py", "api.py", "request.py", "errors.py", "hub.py", "inspect.py", "picture.py", "engine/__init__.py",
+    "__init__.py", "api.py", "request.py", "errors.py", "hub.py", "describe.py", "picture.py", "engine/__init__.py",
     "engine/fingerprints.py", "families/__init__.py", "families/config_check.py", "numbers/__init__.py",
     "numbers/nonfinite.py", "proofs/__init__.py", "proofs/remote_verify.py", "proofs/verify.py", "storage/retries.py",
     "storage/tensorio.py", "targets/__init__.py", "targets/base.py", "targets/card.py", "targets/local.py",

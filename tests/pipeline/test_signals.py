@@ -23,7 +23,14 @@ STARTUP_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 def cli_process(args: list, env: dict, log_dir: Path) -> subprocess.Popen:
     """`ckptflow ARGS` in its own process; output to files (a leftover child holding a pipe cannot hang us)."""
     return subprocess.Popen([sys.executable, "-m", "ckptflow.flows.cli", *map(str, args)], cwd=REPO, env=env,
-                            stdout=open(log_dir / "stdout.log", "wb"), stderr=open(log_dir / "stderr.log", "wb"))
+                            stdout=open(log_dir / "stdout.log", "wb"), stderr=open(log_dir / "stderr.log", "wb"),
+                            preexec_fn=as_in_a_terminal)
+
+
+def as_in_a_terminal() -> None:
+    """SIGINT handled as a foreground command's: a suite started in the background (`pytest &`) inherits SIGINT
+    ignored, and a child keeps an ignored signal ignored (as it should: `cmd &` is not interrupted by Ctrl-C)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_until(condition, process: subprocess.Popen, timeout_s: float, what: str, poll_s: float = 0.005) -> None:

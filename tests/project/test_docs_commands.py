@@ -49,11 +49,17 @@ def test_every_command_and_flag_shown_exists(page):
             assert flag in options[words[1]], f"{page.name}: `{command}`: {flag} is not an option of {words[1]}"
 
 
-def test_the_readme_python_example_runs(demo, tmp_path):
+def test_the_readme_python_example_runs(demo, tmp_path, hub):
+    """Its four calls as written, against a real checkpoint and the loopback Hub (the push lands there)."""
+    from huggingface_hub import HfApi
+
     from mergecore import verify_manifest
 
     example = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
     ckpt = demo("fsdp2-w2")
-    code = example.replace("ckpts/run1/global_step_100/actor", str(ckpt.role_dir)).replace("out/model", str(tmp_path / "m"))
+    code = (example.replace("ckpts/run1/global_step_100/actor", str(ckpt.role_dir))
+            .replace("out/model", str(tmp_path / "m")).replace("org/run1", "alice/run1"))
     exec(compile(code, "README.md", "exec"), {})
     assert verify_manifest(tmp_path / "m")["ok"]
+    pushed = HfApi().list_repo_files("alice/run1", revision="step-100")
+    assert "ckptflow_manifest.json" in pushed and "config.json" in pushed
