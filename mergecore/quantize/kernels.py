@@ -226,8 +226,9 @@ def _fp8_block_reference(part: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 def fp8_block_errors(rows: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> tuple[float, float]:
     """(largest |decoded - x|, largest |decoded - x| / bound) over float32 `rows` and their e4m3fn `codes` and
-    block `scales`, NaN/Inf values left out. The bound: half a step of e4m3 (3 mantissa bits: 2^-4 of |x|), or
-    of its subnormals (2^-10 of the scale), plus float32 rounding of x / scale.
+    block `scales`; NaN left out (an Inf in the checkpoint makes the largest error Inf). The bound: half a step
+    of e4m3 (3 mantissa bits: 2^-4 of |x|), or of its subnormals (2^-10 of the scale), plus float32 rounding of
+    x / scale. Decodes the codes by bit arithmetic (`_fp8_values_into`), independent of the rounding's.
 
     >>> rows = np.full((128, 128), 0.3, np.float32)
     >>> codes, scales = fp8_block_quantize(rows)
@@ -359,9 +360,9 @@ def unpack_int32(packed: np.ndarray, bits: int) -> np.ndarray:
 
 def int_group_errors(rows: np.ndarray, packed: np.ndarray, scales: np.ndarray, bits: int) -> tuple[float, float]:
     """(largest |decoded - x|, largest group error / bound) of float32 `rows` and their packed codes and group
-    scales (stored dtype), NaN/Inf values left out. The bound, per group: half a step of the stored scale, plus
-    what the scale's own rounding (at most 2^-8 relative, bf16) can push past the clamp at the range's ends, plus
-    float32 rounding of the group's largest x.
+    scales (stored dtype); NaN left out, as in `fp8_block_errors`. The bound, per group: half a step of the
+    stored scale, plus what the scale's own rounding (at most 2^-8 relative, bf16) can push past the clamp at the
+    range's ends, plus float32 rounding of the group's largest x.
 
     >>> rows = np.linspace(-1, 1, 256, dtype=np.float32).reshape(1, 256)
     >>> worst, ratio = int_group_errors(rows, *int_group_quantize(rows, 4, "bfloat16"), 4)
