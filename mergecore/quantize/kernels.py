@@ -98,7 +98,7 @@ def _fp8_codes_into(magnitude, signed_bits, magic, exponent, codes) -> None:
     np.right_shift(signed_bits, np.uint32(24), out=magic)
     np.bitwise_and(magic, np.uint32(0x80), out=magic)                        # 128 for a negative x
     np.right_shift(sum_bits, np.uint32(23), out=exponent)                    # e + 127
-    np.maximum(exponent, np.uint32(_MIN_NORMAL_EXPONENT), out=exponent)
+    np.clip(exponent, np.uint32(_MIN_NORMAL_EXPONENT), np.uint32(255), out=exponent)  # ~3x np.maximum's speed
     np.multiply(exponent, np.uint32((1 << 23) + 8), out=exponent)            # 2^e's bits + 8 * (e + 127)
     magic += exponent
     magic += np.uint32((20 << 23) - 8 * _MIN_NORMAL_EXPONENT)                # 2^e -> 2^(e+20); 8*(e+127) -> 8*(e+6)
@@ -147,26 +147,23 @@ def fp8_values(codes: np.ndarray) -> np.ndarray:
     return _FP8_TABLE[np.asarray(codes, np.uint8)]
 
 
-def _fp8_values_into(codes, out, scratch) -> None:
-    """`fp8_values` of flat uint8 `codes` into float32 `out` by bit arithmetic (`scratch`: uint32): the code's
-    7 magnitude bits at float32's bit 20 are its value times 2^-120 (e4m3's subnormals land on float32's), and
-    its sign goes to bit 31. NaN codes (0x7F, 0xFF) go through the table.
+def _fp8_values_into(codes, out) -> None:
+    """`fp8_values` of flat uint8 `codes` into float32 `out` by bit arithmetic: the code as a signed byte, times
+    2^20 and masked, puts its sign at float32's bit 31 and its 7 magnitude bits at bit 20, which make its value
+    times 2^-120 (e4m3's subnormals land on float32's). NaN codes (0x7F, 0xFF) go through the table.
 
-    >>> out, scratch = _scratch(256, np.float32, np.uint32)
-    >>> _fp8_values_into(np.arange(256, dtype=np.uint8), out, scratch)
+    >>> out = np.empty(256, np.float32)
+    >>> _fp8_values_into(np.arange(256, dtype=np.uint8), out)
     >>> np.array_equal(out, fp8_values(np.arange(256)), equal_nan=True)
     True
     """
-    bits = out.view(np.uint32)
-    np.copyto(bits, codes)
-    np.bitwise_and(bits, np.uint32(0x80), out=scratch)
-    np.left_shift(scratch, np.uint32(24), out=scratch)
-    np.bitwise_and(bits, np.uint32(0x7F), out=bits)
-    if int(bits.max(initial=0)) == 0x7F:
-        np.take(_FP8_TABLE, codes, out=out)
+    bits = out.view(np.int32)
+    np.copyto(bits, codes.view(np.int8))                  # code - 256 * sign
+    np.left_shift(bits, np.int32(20), out=bits)           # a negative code borrows into bits 27..31
+    np.bitwise_and(bits, np.int32(-0x78100000), out=bits)  # keep bit 31 and bits 20..26 (0x87F00000)
+    if int(bits.max(initial=0)) == 0x7F << 20 or int(bits.view(np.uint32).max(initial=0)) == 0x87F00000:
+        np.take(_FP8_TABLE, codes, out=out)  # the largest magnitude is 0x7F: a NaN code, positive or negative
         return
-    np.left_shift(bits, np.uint32(20), out=bits)
-    bits |= scratch
     out *= np.float32(2.0 ** 120)
 
 
@@ -238,14 +235,14 @@ def fp8_block_errors(rows: np.ndarray, codes: np.ndarray, scales: np.ndarray) ->
     rows = np.ascontiguousarray(rows, np.float32)
     r, c = rows.shape
     step = _sub_rows(r, c, BLOCK)
-    decoded, bound, sign = _scratch(min(r, step) * c, np.float32, np.float32, np.uint32)
+    decoded, bound = _scratch(min(r, step) * c, np.float32, np.float32)
     worst = ratio = 0.0
     for low in range(0, r, step):
         part = rows[low:low + step]
         k = part.shape[0]
         per_block = scales[low // BLOCK:(low + k) // BLOCK]
         error = _rows_of(decoded, k, c)
-        _fp8_values_into(codes[low:low + k].reshape(-1), error.reshape(-1), sign[:k * c])
+        _fp8_values_into(codes[low:low + k].reshape(-1), error.reshape(-1))
         blocks, scale = _per_block(error, per_block)
         blocks *= scale
         error -= part

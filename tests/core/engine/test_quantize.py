@@ -126,7 +126,8 @@ def test_int_groups_over_several_sub_bands_are_compressed_tensors_own():
         low = -(1 << (bits - 1))
         q = torch.from_numpy(np.round(np.clip(rows / scale.float().numpy(), low, -low - 1)))
         group_error = (q * scale.float() - weight).abs().amax(-1, keepdim=True)
-        bound = scale.float() * np.float32(0.5 + (1 << bits) * 2.0 ** -9) + weight.abs().amax(-1, keepdim=True) * np.float32(2.0 ** -20)
+        amax = weight.abs().amax(-1, keepdim=True)
+        bound = scale.float() * np.float32(0.5 + (1 << bits) * 2.0 ** -9) + amax * np.float32(2.0 ** -20)
         worst, ratio = int_group_errors(rows, packed, scales, bits)
         assert worst == group_error.max().item() and ratio == (group_error / bound).max().item() < 1
 
