@@ -275,6 +275,7 @@ def int_group_quantize(rows: np.ndarray, bits: int, scale_dtype: str) -> tuple[n
     stored = []
     step = _sub_rows(r, c, 1)
     scaled, unsigned = _scratch(min(r, step) * c, np.float32, np.uint8)
+    pairs = np.empty(min(r, step) * c // 2, np.uint16)
     for low in range(0, r, step):
         part = rows[low:low + step]
         k = part.shape[0]
@@ -285,7 +286,8 @@ def int_group_quantize(rows: np.ndarray, bits: int, scale_dtype: str) -> tuple[n
         if not np.isfinite(amax).all():  # NaN/Inf: the reference arithmetic (its NaN -> int conversion kept)
             packed[low:low + k] = pack_int32(_int_codes_reference(part, used, bits), bits).view(np.uint8)
             continue
-        _int_codes_into(part, used, bits, magnitude, _rows_of(unsigned, k, c), packed[low:low + k])
+        _int_codes_into(part, used, bits, magnitude, _rows_of(unsigned, k, c), _rows_of(pairs, k, c // 2),
+                        packed[low:low + k])
     return np.ascontiguousarray(packed).view("<i4"), np.concatenate(stored)
 
 
@@ -304,10 +306,11 @@ def _int_scales(amax: np.ndarray, bits: int, scale_dtype: str) -> tuple[np.ndarr
     return cast(used, scale_dtype), used
 
 
-def _int_codes_into(part, used, bits: int, scaled, unsigned, packed) -> None:
+def _int_codes_into(part, used, bits: int, scaled, unsigned, pairs_scratch, packed) -> None:
     """Finite `part` [k, c] quantized with float32 group scales `used` and packed into uint8 `packed`, in place on
-    float32 `scaled` and uint8 `unsigned` [k, c]: clamping before rounding gives what rounding then clamping does
-    (the ends are integers), and the offset 2^(bits-1) is added in float32, exactly."""
+    float32 `scaled`, uint8 `unsigned` [k, c] and uint16 `pairs_scratch` [k, c / 2]: clamping before rounding
+    gives what rounding then clamping does (the ends are integers), and the offset 2^(bits-1) is added in float32,
+    exactly."""
     k, c = part.shape
     low, high = int_range(bits)
     np.divide(part.reshape(k, c // GROUP, GROUP), used[:, :, None], out=scaled.reshape(k, c // GROUP, GROUP))
@@ -318,8 +321,13 @@ def _int_codes_into(part, used, bits: int, scaled, unsigned, packed) -> None:
         np.copyto(packed, scaled, casting="unsafe")
         return
     np.copyto(unsigned, scaled, casting="unsafe")
-    np.left_shift(unsigned[:, 1::2], np.uint8(4), out=packed)
-    packed |= unsigned[:, 0::2]
+    # two 4-bit values per byte, the first low: as (little-endian) uint16 pairs `first | second << 8`,
+    # `pair | pair >> 4` holds `first | second << 4` in its low byte (contiguous passes: ~5x the speed of
+    # numpy's stride-2 byte loops)
+    pairs = unsigned.view(np.uint16)
+    shifted = np.right_shift(pairs, np.uint16(4), out=pairs_scratch)
+    np.bitwise_or(shifted, pairs, out=shifted)
+    np.copyto(packed, shifted, casting="unsafe")
 
 
 def _int_codes_reference(part: np.ndarray, used: np.ndarray, bits: int) -> np.ndarray:
@@ -372,7 +380,7 @@ def int_group_errors(rows: np.ndarray, packed: np.ndarray, scales: np.ndarray, b
     scale = cast(scales, "float32")
     step = _sub_rows(r, c, 1)
     decoded, magnitude = _scratch(min(r, step) * c, np.float32, np.float32)
-    unsigned = np.empty(min(r, step) * c, np.uint8) if bits == 4 else None
+    pairs, spread = _scratch(min(r, step) * c // 2, np.uint16, np.uint16) if bits == 4 else (None, None)
     worst = ratio = 0.0
     for low in range(0, r, step):
         part = rows[low:low + step]
@@ -381,10 +389,13 @@ def int_group_errors(rows: np.ndarray, packed: np.ndarray, scales: np.ndarray, b
         if bits == 8:
             np.copyto(error, raw[low:low + k])
         else:
-            codes = _rows_of(unsigned, k, c)
-            np.bitwise_and(raw[low:low + k], np.uint8(0xF), out=codes[:, 0::2])
-            np.right_shift(raw[low:low + k], np.uint8(4), out=codes[:, 1::2])
-            np.copyto(error, codes)
+            # byte `first | second << 4` -> uint16 `first | second << 8`, i.e. the two values as bytes, in order
+            byte, both = _rows_of(pairs, k, c // 2), _rows_of(spread, k, c // 2)
+            np.copyto(byte, raw[low:low + k])
+            np.left_shift(byte, np.uint16(4), out=both)
+            np.bitwise_or(both, byte, out=both)
+            np.bitwise_and(both, np.uint16(0x0F0F), out=both)
+            np.copyto(error, both.view(np.uint8))
         error -= np.float32(1 << (bits - 1))
         groups = error.reshape(k, c // GROUP, GROUP)
         groups *= scale[low:low + k, :, None]
