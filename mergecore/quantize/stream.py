@@ -15,7 +15,8 @@ from ..numbers.arrays import nonfinite_counts
 from .kernels import BLOCK, fp8_block_quantize, int_group_quantize
 from .schemes import scheme_of
 
-# float32 copy of the rows, the scaled copy and the codes/expansions beside it
+# float32 copy of the rows and what it becomes (the kernels' own scratch is per sub-band, a few MiB: see
+# kernels._SUB_ELEMENTS); kept at 3 copies, which leaves room to spare in the budget
 _COPIES = 3
 
 

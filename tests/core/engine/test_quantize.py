@@ -49,13 +49,87 @@ def tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def torch_fp8_codes(x: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+
+
 def test_fp8_codes_are_torchs_float8_cast():
+    """Every float32 whose low 16 bits are one of five patterns (all 2^16 high halves: every exponent, so every
+    subnormal range and normal, every tie at every rounding position, zeros, -0.0, values up to 448), and random
+    values over 8 decades: the codes are torch's float8 cast, bit for bit. NaN: 0x7F, whatever its sign (torch
+    keeps a negative NaN's sign, 0xFF; both are NaN), the other values unchanged by the NaN beside them."""
+    high = np.arange(1 << 16, dtype=np.uint32) << 16
+    x = np.concatenate([(high | low).view(np.float32) for low in (0, 1, 0x7FFF, 0x8000, 0xFFFF)])
+    x = x[np.abs(x) <= 448]  # callers clamp to the format's range; NaN drops out here too
     rng = np.random.default_rng(0)
-    x = np.clip(rng.standard_normal(1 << 18).astype(np.float32) * np.float32(10.0) ** rng.uniform(-5, 2.7, 1 << 18),
-                -448, 448).astype(np.float32)
-    x[:4] = [0.0, -0.0, 448.0, 2.0 ** -10]  # zeros, the largest value, a tie below the smallest subnormal
-    expected = torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-    assert np.array_equal(fp8_codes(x), expected)
+    spread = rng.standard_normal(1 << 18).astype(np.float32) * np.float32(10.0) ** rng.uniform(-5, 2.7, 1 << 18)
+    x = np.concatenate([x, np.clip(spread, -448, 448).astype(np.float32)])
+    assert {0.0, 448.0, -448.0, 2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -6 - 2.0 ** -10} <= set(x.tolist())
+    assert np.array_equal(fp8_codes(x), torch_fp8_codes(x))
+    with_nan = np.concatenate([x[:1000], np.array([np.nan, -np.nan], np.float32)])
+    codes = fp8_codes(with_nan)
+    assert np.array_equal(codes[:1000], torch_fp8_codes(x[:1000])) and codes[1000:].tolist() == [0x7F, 0x7F]
+
+
+def test_fp8_blocks_are_torchs_blockwise_cast():
+    """`fp8_block_quantize` equals torch doing the format's arithmetic itself (scale = block amax / 448, values =
+    float8(clamp(x / scale))) over several sub-bands, with an all-zero block, a block so small its scale is
+    subnormal and a block holding NaN and Inf (both take the plain path); `fp8_block_errors` equals the bound
+    check done in torch (NaN/Inf left out)."""
+    from mergecore.quantize.kernels import fp8_block_errors, fp8_block_quantize
+
+    rng = np.random.default_rng(1)
+    rows = (rng.standard_normal((2304, 256)) * 10.0 ** rng.uniform(-4, 1, (2304, 1))).astype(np.float32)
+    rows[:128, :128] = 0.0
+    rows[128:256, 128:] *= np.float32(1e-37)
+    rows[2200, 7], rows[2201, 8] = np.nan, np.inf
+    x = torch.from_numpy(rows).reshape(18, 128, 2, 128)
+    amax = x.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones(()))
+    expected = (x / scale[:, None, :, None]).clamp(-448, 448).reshape(2304, 256)
+    codes, scales = fp8_block_quantize(rows)
+    assert np.array_equal(scales.view(np.uint32), scale.numpy().view(np.uint32))
+    assert np.array_equal(codes, expected.to(torch.float8_e4m3fn).view(torch.uint8).numpy())
+    decoded = (torch.from_numpy(codes).view(torch.float8_e4m3fn).float().reshape(18, 128, 2, 128)
+               * scale[:, None, :, None]).reshape(2304, 256)
+    x = torch.from_numpy(rows)
+    error = (decoded - x).abs()
+    bound = (x.abs().reshape(18, 128, 2, 128) * np.float32(2.0 ** -4 + 2.0 ** -20)
+             + (scale * np.float32(2.0 ** -10))[:, None, :, None]).reshape(2304, 256)
+    share = error / bound
+    worst, ratio = fp8_block_errors(rows, codes, scales)  # NaN left out; the Inf's error is Inf
+    assert worst == error[~error.isnan()].max().item() == float("inf")
+    assert ratio == share[~share.isnan()].max().item()
+    assert share[256:2176].max().item() < 1  # outside the subnormal-scale and the NaN/Inf blocks
+
+
+def test_int_groups_over_several_sub_bands_are_compressed_tensors_own():
+    """Rows enough for several of the kernel's sub-bands: packed words and bf16 scales are compressed-tensors' own
+    quantize-and-pack of the same values, and `int_group_errors` equals the group bound check done in torch."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    from mergecore.quantize.kernels import int_group_errors, int_group_quantize
+
+    rows = np.random.default_rng(2).standard_normal((4100, 128)).astype(np.float32) * np.float32(0.02)
+    weight = torch.from_numpy(rows)
+    for bits in (4, 8):
+        args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group", group_size=128)
+        scale, _ = calculate_qparams(weight.amin(-1, keepdim=True), weight.amax(-1, keepdim=True), args)
+        scale = scale.to(torch.bfloat16)
+        packed, scales = int_group_quantize(rows, bits, "bfloat16")
+        assert np.array_equal(scales.view(np.uint16), scale.view(torch.uint16).numpy())
+        theirs = PackedQuantizationCompressor.compress(
+            {"weight": weight, "weight_scale": scale.float()},
+            QuantizationScheme(targets=["Linear"], weights=args))["weight_packed"]
+        assert np.array_equal(packed, theirs.numpy())
+        low = -(1 << (bits - 1))
+        q = torch.from_numpy(np.round(np.clip(rows / scale.float().numpy(), low, -low - 1)))
+        group_error = (q * scale.float() - weight).abs().amax(-1, keepdim=True)
+        amax = weight.abs().amax(-1, keepdim=True)
+        bound = scale.float() * np.float32(0.5 + (1 << bits) * 2.0 ** -9) + amax * np.float32(2.0 ** -20)
+        worst, ratio = int_group_errors(rows, packed, scales, bits)
+        assert worst == group_error.max().item() and ratio == (group_error / bound).max().item() < 1
 
 
 @pytest.mark.parametrize("model", MODELS)
