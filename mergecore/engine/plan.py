@@ -14,6 +14,7 @@ from ..numbers.arrays import FLOATING, element_size, safetensors_dtype
 
 from ..formats.base import TensorInfo
 from ..families.layout import EMBEDDING, OUTPUT, group_of
+from ..quantize.schemes import module_of, outputs, quantization_config
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -83,7 +84,6 @@ def make_plan(
     With `quantize` (`quantize.schemes.quantize_spec`) each selected weight becomes its quantized parts, counted
     as such.
     """
-    from ..quantize.schemes import outputs
     if isinstance(tied, dict):
         aliases = dict(tied)
     else:
@@ -133,7 +133,6 @@ def _quantization(spec: dict | None, planned: list[PlannedTensor], dtype) -> dic
     """The plan's quantization record: the spec, what was quantized, what was not, and config.json's entry."""
     if spec is None:
         return None
-    from ..quantize.schemes import module_of, quantization_config
 
     quantized = sorted({t.source_name for t in planned if t.part})
     kept = [module_of(t.name) for t in planned if not t.part and len(t.shape) >= 2 and t.name.endswith(".weight")]

@@ -17,7 +17,9 @@ import numpy as np
 
 from ..numbers.arrays import dtype_of, numpy_dtype, to_numpy
 from ..errors import CheckpointError
+from ..numbers.nonfinite import checked_blocks
 from .plan import MergePlan, PlannedTensor
+from ..quantize.stream import quantized_blocks
 
 PARTIAL_SUFFIX = ".ckptflow-partial"  # staging folder of target T: .T.ckptflow-partial beside it
 NO_ROOM = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})  # disk full, file-size limit, quota
@@ -168,13 +170,9 @@ class TensorWriter:
 
         >>> writer.write_tensor(source, plan.in_group("layers.0")[0], 64 << 20, "warn", {})  # doctest: +SKIP
         """
-        from ..numbers.nonfinite import checked_blocks
-
         if entry.part is None:
             blocks = ((entry, start, block) for start, block in checked_blocks(source, entry, budget, on_nonfinite, found))
         else:
-            from ..quantize.stream import quantized_blocks
-
             blocks = quantized_blocks(source, self._plan, entry, budget, on_nonfinite, found)
         for planned, start, block in blocks:
             self.write_rows(planned, start, block)

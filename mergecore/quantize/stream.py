@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..numbers.arrays import nonfinite_counts
+from ..numbers.nonfinite import add_counts, nonfinite_error
 from .kernels import BLOCK, fp8_block_quantize, int_group_quantize
 from .schemes import scheme_of
 
@@ -56,7 +57,6 @@ def source_bands(source, name: str, budget: int | None):
 def quantized_blocks(source, plan, entry, budget: int | None, on_nonfinite: str, found: dict):
     """`(planned part, first row, block)` for every part of the quantized weight whose primary part is `entry`
     (nothing for its other parts: they come with the primary). NaN/Inf in the source rows follow `on_nonfinite`."""
-    from ..numbers.nonfinite import add_counts, nonfinite_error
 
     spec = plan.quantization
     if entry.part != scheme_of(spec).primary:
