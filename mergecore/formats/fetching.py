@@ -1,5 +1,5 @@
 """When a reader makes a tensor's bytes ready to read: downloaded (remote files) and CRC-checked (all files),
-with its layer group's, or, for downloads, with one output file's.
+with its layer group's, or exactly the tensors of one output file when a writer names them (`prefetch`).
 
 Mixed into the readers of torch.save archives (FSDP rank files, Megatron `model.pt` and `.distcp` files): a merge
 by layer group reads a group's tensors together, so the first one asked for brings the whole group's bytes in one
@@ -57,8 +57,10 @@ class FetchesByGroup:
         raise NotImplementedError
 
     def prefetch(self, names) -> None:
-        if self._reads_remotely():
-            self._fetch_missing([n for n in names if n in self._group_of])
+        """Make exactly `names` ready (downloaded and CRC-checked) in one batch, and nothing else: a writer of one
+        output file asks for its tensors, which may be part of a layer group whose rest another file holds (the
+        final norm beside `lm_head`), and that rest must not be fetched here too."""
+        self._make_ready([n for n in names if n in self._group_of])
 
     def _ready_for(self, name: str) -> None:
         """Make `name`'s bytes ready to read, with the rest of its layer group unless they are already: local

@@ -75,6 +75,37 @@ def test_one_group_fetches_its_own_byte_ranges_only(s3_env, s3_reads, demo, tmp_
         assert read_for_group < 0.5 * (ckpt.role_dir / Path(key).name).stat().st_size
 
 
+def test_one_output_file_fetches_its_own_tensors_only(s3_env, s3_reads, demo, monkeypatch):
+    """A file holding the final norm but not `lm_head` (one layer group, two files) reads the norm's bytes, never
+    the head's: what a worker streaming that file to object storage downloads is that file's tensors."""
+    import torch
+    import torch.distributed.tensor  # noqa: F401  (DTensor's unpickling needs it)
+
+    from mergecore import prepare
+    from mergecore.engine.remote_writer import write_remote_file
+
+    monkeypatch.setenv("CKPTFLOW_RANGE_GAP", "0")  # tiny tensors: by default neighbours come in the same request
+    ckpt = demo("fsdp2-w2-vocab8k")
+    source = upload(s3_env, ckpt, "io-ckpts/io-file")
+    prepared = prepare(source, dtype="keep", max_shard_size="64KB")
+    plan = prepared.plan
+    placed = {t.name: t for t in plan.tensors}
+    file = placed["model.norm.weight"].file
+    names = [t.name for t in plan.in_file(file)]
+    assert placed["lm_head.weight"].file != file and placed["lm_head.weight"].group == placed["model.norm.weight"].group
+    fetched, _ = s3_reads
+    before = collections.Counter(fetched)
+
+    write_remote_file(prepared.source, plan, file, "s3://io-models/io-file", verify=False)
+
+    for rank in range(2):
+        key = f"io-ckpts/io-file/global_step_1/actor/model_world_size_2_rank_{rank}.pt"
+        state = torch.load(ckpt.role_dir / Path(key).name, map_location="cpu", weights_only=True)
+        file_bytes = sum(state[n].to_local().numel() * state[n].element_size() for n in names)
+        read_for_file = fetched[key] - before[key]
+        assert file_bytes - 256 * len(names) <= read_for_file <= file_bytes, (rank, read_for_file, file_bytes)
+
+
 @pytest.fixture
 def published(s3_env, demo, cli):
     import uuid
