@@ -9,6 +9,8 @@ band's float32 copy and its temporaries stay within the worker's budget.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from ..numbers.arrays import nonfinite_counts
@@ -19,6 +21,9 @@ from .schemes import scheme_of
 # float32 copy of the rows and what it becomes (the kernels' own scratch is per sub-band, a few MiB: see
 # kernels._SUB_ELEMENTS); kept at 3 copies, which leaves room to spare in the budget
 _COPIES = 3
+# A band's float32 rows are read, quantized (and, when proven, quantized again, compared and decoded) while they
+# are still in the core's cache: bands of ~4 MiB took ~25% less time than budget-sized ones (64 MiB) here.
+_CACHED_BAND_BYTES = 4 << 20
 
 
 def aligned_spans(rows: int, row_bytes: int, budget: int | None):
@@ -48,7 +53,7 @@ def source_bands(source, name: str, budget: int | None):
     """`(start, float32 rows)` of source tensor `name` in aligned bands (one read when the source cannot stream)."""
     info = source.tensors()[name]
     rows, cols = info.shape
-    spans = list(aligned_spans(rows, cols * 4 * _COPIES, budget))
+    spans = list(aligned_spans(rows, cols * 4 * _COPIES, min(budget or sys.maxsize, _CACHED_BAND_BYTES * _COPIES)))
     whole = None if source.streams(name) and len(spans) > 1 else source.read(name, "float32")
     for low, high in spans:
         yield low, (whole[low:high] if whole is not None else source.read_rows(name, low, high, "float32"))

@@ -192,8 +192,8 @@ def test_placement_fn_gives_shard1_and_tied_keys(placement_tied: DemoCheckpoint)
 # --------------------------------------------------------------------------- hsdp
 
 
-def test_hsdp_replicate_shard(tmp_path):
-    ck = write_demo_checkpoint(tmp_path, DemoSpec(mode="hsdp", world_size=4))
+def test_hsdp_replicate_shard(demo):
+    ck = demo("hsdp-2x2")  # DemoSpec(mode="hsdp", world_size=4), written once for the session
     shards = _model_shards(ck, 4)
     ref = _reference(ck)
     assert json.loads((ck.role_dir / "fsdp_config.json").read_text()) == {"FSDP_version": 2, "world_size": 4}
@@ -214,8 +214,8 @@ def test_hsdp_replicate_shard(tmp_path):
 # --------------------------------------------------------------------------- fsdp1 variants
 
 
-def test_fsdp1_without_mesh_writes_sharded_tensors(tmp_path):
-    ck = write_demo_checkpoint(tmp_path, DemoSpec(mode="fsdp1", world_size=2))
+def test_fsdp1_without_mesh_writes_sharded_tensors(demo):
+    ck = demo("fsdp1-sharded-tensor-tied")  # DemoSpec(mode="fsdp1", world_size=2, tied embeddings)
     files = _rank_files(ck, "model", 2)
     assert all(p.is_file() and p.stat().st_size > 0 for p in files)
     assert json.loads((ck.role_dir / "fsdp_config.json").read_text()) == {"FSDP_version": 1, "world_size": 2}
