@@ -9,6 +9,7 @@ one per output file, for an object-storage target)
 
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,17 +127,36 @@ def promote_checkpoint(
 
     `quantize` (fp8-block, w8a16, w4a16) publishes the quantized model instead, proven within the scheme's bound
     (`quantize_ignore`: module patterns kept unquantized; see docs/quantization.md)."""
-    lora_settings = LoraSettings(output=lora, alpha=lora_alpha, r=lora_r, target_modules=target_modules,
-                                 base_model=base_model)
-    request = MergeRequest(
-        MergeSource(checkpoint, role=role, backend=backend, hf_dir=hf_dir, custom_mapping=custom_mapping,
-                    lora=lora_settings),
-        MergeSettings(dtype=dtype, max_shard_size=max_shard_size, on_nonfinite=on_nonfinite, quantize=quantize,
-                      quantize_ignore=tuple(quantize_ignore or ())),
-        MergeTarget(target, overwrite=overwrite))
+    request = promotion_request(locals())  # first thing in the body: locals() holds exactly the parameters
     return promote(request, reference=reference, trust_remote_code=trust_remote_code,
                    hub=HubPush(hub_repo, revision, private, tag, hub_token_secret) if hub_repo else None,
                    engine=Engine(task_runner, dask_address, dask_workers))
+
+
+def promotion_request(parameters: dict) -> MergeRequest:
+    """The `MergeRequest` of `promote_checkpoint`'s flat parameters (every one, defaults included: see
+    `promotion_parameters`), built, and so checked, in one place: the flow builds it first, and the CLI before
+    Prefect starts, so that a bad value is one line and not a failed flow run with Prefect's traceback."""
+    p = parameters
+    lora = LoraSettings(output=p["lora"], alpha=p["lora_alpha"], r=p["lora_r"], target_modules=p["target_modules"],
+                        base_model=p["base_model"])
+    return MergeRequest(
+        MergeSource(p["checkpoint"], role=p["role"], backend=p["backend"], hf_dir=p["hf_dir"],
+                    custom_mapping=p["custom_mapping"], lora=lora),
+        MergeSettings(dtype=p["dtype"], max_shard_size=p["max_shard_size"], on_nonfinite=p["on_nonfinite"],
+                      quantize=p["quantize"], quantize_ignore=tuple(p["quantize_ignore"] or ())),
+        MergeTarget(p["target"], overwrite=p["overwrite"]))
+
+
+def promotion_parameters(**given) -> dict:
+    """`given` with `promote_checkpoint`'s defaults for the rest (a name it does not take is a TypeError).
+
+    >>> promotion_parameters(checkpoint="ckpts/run1", target="out/model")["dtype"]
+    'auto'
+    """
+    bound = inspect.signature(promote_checkpoint.fn).bind(**given)
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 @dataclass(frozen=True)

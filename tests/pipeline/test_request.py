@@ -45,6 +45,37 @@ def test_merge_refuses_a_bad_value_before_opening_the_checkpoint(cli, tmp_path, 
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("flags, says", [*BAD[:4], *BAD[5:], (["--quantize", "int4"], "unknown --quantize 'int4'")])
+def test_promote_refuses_a_bad_value_before_a_flow_run_starts(prefect_server, cli, tmp_path, flags, says):
+    """The request was built inside the flow: each bad value became a failed flow run (and, with no server set, a
+    temporary server started for it and Prefect's traceback in the output)."""
+    from prefect.client.orchestration import get_client
+
+    def flow_runs() -> int:
+        with get_client(sync_client=True) as client:
+            return len(client.read_flow_runs(limit=200))
+
+    before = flow_runs()
+    result = cli("promote", tmp_path / "no-such-checkpoint", "--target", tmp_path / "out", *flags)
+    assert result.exit_code == 2, result.output
+    assert says in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert flow_runs() == before and not (tmp_path / "out").exists()
+
+
+def test_promote_with_a_bad_quantize_prints_one_line_without_a_server(tmp_path):
+    """As a user runs it, no Prefect server set: one line on stderr, nothing on stdout, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")} | {"PREFECT_HOME": str(tmp_path / "p")}
+    done = subprocess.run([sys.executable, "-m", "ckptflow.flows.cli", "promote", str(tmp_path / "ckpt"), "--target",
+                           str(tmp_path / "out"), "--quantize", "int4"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == "error: unknown --quantize 'int4': use fp8-block, w8a16 or w4a16", done.stderr
+
+
 def test_the_request_checks_each_part_when_built():
     with pytest.raises(CheckpointError, match="unknown --dtype 'fp8'"):
         MergeRequest.of("ckpts/run1", dtype="fp8")
