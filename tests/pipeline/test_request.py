@@ -76,6 +76,31 @@ def test_promote_with_a_bad_quantize_prints_one_line_without_a_server(tmp_path):
     assert done.stderr.strip() == "error: unknown --quantize 'int4': use fp8-block, w8a16 or w4a16", done.stderr
 
 
+def test_a_failed_run_logs_our_error_in_one_line_without_a_traceback(prefect_server, cli, tmp_path):
+    """Prefect logs the exception that ends a task or flow run with its traceback: for a missing checkpoint the
+    console showed three tracebacks above the CLI's one line."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+
+    def record(entry: logging.LogRecord) -> bool:  # a filter, as Prefect's logging set-up drops added handlers
+        records.append(entry)
+        return True
+
+    loggers = [logging.getLogger(name) for name in ("prefect.flow_runs", "prefect.task_runs")]
+    for logger in loggers:
+        logger.addFilter(record)  # after ckptflow.flows' own: it sees what the handlers get
+    try:
+        result = cli("promote", tmp_path / "no-such-checkpoint", "--target", tmp_path / "out")
+    finally:
+        for logger in loggers:
+            logger.removeFilter(record)
+    assert result.exit_code == 2 and "no-such-checkpoint: does not exist" in result.stderr
+    reported = [r for r in records if "no-such-checkpoint: does not exist" in r.getMessage()]
+    assert {r.name for r in reported} == {"prefect.flow_runs", "prefect.task_runs"}  # Prefect's lines are kept
+    assert not [r for r in reported if r.exc_info or r.exc_text]
+
+
 def test_the_request_checks_each_part_when_built():
     with pytest.raises(CheckpointError, match="unknown --dtype 'fp8'"):
         MergeRequest.of("ckpts/run1", dtype="fp8")
