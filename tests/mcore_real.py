@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from mcore_dist_save import KINDS, world_size
 
 SAVER = Path(__file__).with_name("mcore_dist_save.py")
