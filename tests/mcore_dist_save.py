@@ -1,28 +1,29 @@
 """Save tiny megatron-core GPTModels on CPU with gloo: dist_ckpt (torch_dist) folders and legacy verl rank files.
 
-Run as a script (megatron-core's writers spawn processes: needs the __main__ guard):
+Run as a script (megatron-core's writers spawn processes: needs the __main__ guard). Importing torch and
+megatron-core costs more than a save here, so each mode writes many saves per process:
 
-    python mcore_dist_save.py save OUT_DIR PORT [KIND]
-        TP=1, one process. Writes OUT_DIR/dist_ckpt, OUT_DIR/params.pt (the model's own state dict, the
-        ground truth), OUT_DIR/logits.pt (Megatron's own forward on a fixed prompt) and
-        OUT_DIR/huggingface/config.json. KIND (see KINDS): dense
+    python mcore_dist_save.py save_many OUT_ROOT PORT KIND...
+        TP=1, one process, every KIND in turn (see KINDS), each from the same fixed seed (a fresh generator per
+        kind: a kind's weights do not depend on which kinds come before it). Writes, in
+        OUT_ROOT/KIND/global_step_7/actor: dist_ckpt, params.pt (the model's own state dict, the ground truth),
+        logits.pt (Megatron's own forward on a fixed prompt) and huggingface/config.json. KINDS: dense
         (Qwen2-like), tied (embeddings shared with the output layer), llama (no qkv bias), qwen3 (q/k
         norms, head_dim 32), moe (Qwen2-MoE-like), quant (dense with hidden 128, ffn 256: quantizable).
-    python mcore_dist_save.py reshard SOURCE_DIR DIST_ROLE LEGACY_ROLE PORT TP PP VPP
-            [KIND [stacked|per-layer [EP ETP]]]
-        TP*PP*DP gloo processes (DP = EP*ETP/TP when that is more than 1) build the same model split
-        TP/PP/VPP (and EP/ETP: expert_model_parallel_size, expert_tensor_parallel_size) ways and load
-        SOURCE_DIR/dist_ckpt through megatron-core's own resharding load. Each rank then saves it twice, as
-        training at that layout does: DIST_ROLE/dist_ckpt (megatron-core's dist_checkpointing.save; per-layer
-        keys as heterogeneous models write them when asked) and LEGACY_ROLE/model/mp_rank_TT[_PPP][_EEE]/model.pt
-        (the list of its chunks' own `state_dict()`, as verl's legacy checkpoint manager writes it: only on
-        data-parallel rank 0, the expert-parallel rank appended when EP > 1). Without PP, rank 0 also writes
-        DIST_ROLE/logits.pt from the TP- (and expert-) parallel forward. With EP > 1 every rank also writes
-        DIST_ROLE/experts_rank_R.pt: its own local experts' weights keyed by the global expert index its
+    python mcore_dist_save.py reshard LAYOUTS_JSON PORT
+        LAYOUTS_JSON: a list of layouts, all of one world size, each {"source", "kind", "keys" (stacked or
+        per-layer), "tp", "pp", "vpp", "ep", "etp" (null: the TP size), "dist_role", "legacy_role"}. One spawn
+        of W gloo processes (W = TP*PP*DP, DP = EP*ETP/TP when that is more than 1) takes them in turn: each
+        builds the `kind` model split TP/PP/VPP (and EP/ETP: expert_model_parallel_size,
+        expert_tensor_parallel_size) ways and loads `source`/dist_ckpt (a save_many folder) through
+        megatron-core's own resharding load. Each rank then saves it twice, as training at that layout does:
+        dist_role/dist_ckpt (megatron-core's dist_checkpointing.save; per-layer keys as heterogeneous models
+        write them when asked) and legacy_role/model/mp_rank_TT[_PPP][_EEE]/model.pt (the list of its chunks'
+        own `state_dict()`, as verl's legacy checkpoint manager writes it: only on data-parallel rank 0, the
+        expert-parallel rank appended when EP > 1). Without PP, rank 0 also writes dist_role/logits.pt from
+        the TP- (and expert-) parallel forward. With EP > 1 every rank also writes
+        dist_role/experts_rank_R.pt: its own local experts' weights keyed by the global expert index its
         megatron-core MoE layer reports (`local_expert_indices`), the ground truth for expert placement.
-    python mcore_dist_save.py reshard_many SOURCE_DIR OUT_ROOT PORT KIND NAME=TP,PP,VPP,EP,ETP...
-        As reshard, for several layouts of one world size in one spawn (stacked keys), into
-        OUT_ROOT/NAME/{dist,legacy}/global_step_7/actor.
 
 Fixture-only patches (docs/facts.md): CPU-only torch needs torch.cuda.synchronize / current_device stubs,
 and Tensor.cuda as the identity (tied embeddings under PP move their copy "to the GPU" before syncing it);
@@ -43,8 +44,7 @@ SIZES = {"quant": (128, 2, 2, 256)}
 TOKENS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
 
 
-def _start(rank: int, world: int, port: str, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1,
-           etp: int | None = None):
+def _start(rank: int, world: int, port: str) -> None:
     import torch
 
     torch.cuda.synchronize = lambda *a, **k: None
@@ -56,10 +56,17 @@ def _start(rank: int, world: int, port: str, tp: int = 1, pp: int = 1, vpp: int 
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import megatron.core.transformer.moe.moe_utils as moe_utils
-    from megatron.core import parallel_state
 
     if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 defines it only when TransformerEngine imports
         moe_utils.te_general_gemm = None
+
+
+def _split(tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, etp: int | None = None) -> None:
+    """megatron-core's parallel groups for this layout, replacing any earlier layout's."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                                              expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
 
@@ -138,12 +145,10 @@ def _hf_config(kind: str) -> dict:
     return hf
 
 
-def save(out: str, port: str, kind: str = "dense") -> None:
+def _save_tp1(out: str, kind: str) -> None:
     import torch
-    import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    _start(0, 1, port)
     (model,) = _models(kind)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -157,12 +162,25 @@ def save(out: str, port: str, kind: str = "dense") -> None:
     os.makedirs(os.path.join(out, "huggingface"), exist_ok=True)
     with open(os.path.join(out, "huggingface", "config.json"), "w") as f:
         json.dump(_hf_config(kind), f)
+
+
+def save_many(out_root: str, port: str, *kinds: str) -> None:
+    """TP=1 saves of `kinds` into OUT_ROOT/KIND/global_step_7/actor, by this one process.
+
+    e.g. `save_many /tmp/tp1 29500 dense moe` writes /tmp/tp1/dense/global_step_7/actor/dist_ckpt, ...
+    """
+    import torch.distributed as dist
+
+    _start(0, 1, port)
+    _split()
+    for kind in kinds:
+        _save_tp1(os.path.join(out_root, kind, "global_step_7", "actor"), kind)
     dist.destroy_process_group()
 
 
-def _world(tp: int, pp: int, ep: int, etp: int) -> int:
-    """Ranks needed: the dense grid TP*PP*DP must hold the expert grid ETP*EP (times PP)."""
-    return tp * pp * max(1, ep * etp // tp)
+def world_size(tp: int, pp: int, vpp: int, ep: int, etp: int | None) -> int:
+    """Ranks needed: the dense grid TP*PP*DP must hold the expert grid ETP*EP (times PP); ETP None is TP."""
+    return tp * pp * max(1, ep * (etp or tp) // tp)
 
 
 def _legacy_folder(legacy_role: str, pp: int, ep: int) -> str | None:
@@ -196,23 +214,18 @@ def _dump_local_experts(chunks: list, dist_role: str) -> None:
     torch.save(found, os.path.join(dist_role, f"experts_rank_{torch.distributed.get_rank()}.pt"))
 
 
-def _reshard_rank(rank: int, source: str, port: str, kind: str, keys: str, layouts: list[tuple]) -> None:
-    """Each of `layouts` ((tp, pp, vpp, ep, etp, dist_role, legacy_role), all of this world size) in turn,
-    in one process group: a spawn (megatron-core's import) costs more than a layout."""
-    from megatron.core import parallel_state
+SIZES_OF_LAYOUT = ("tp", "pp", "vpp", "ep", "etp")
 
-    tp, pp, vpp, ep, etp, *_ = layouts[0]
-    _start(rank, _world(tp, pp, ep, etp or tp), port, tp, pp, vpp, ep, etp)
-    for i, layout in enumerate(layouts):
-        if i:
-            parallel_state.destroy_model_parallel()
-            tp, pp, vpp, ep, etp, *_ = layout
-            parallel_state.initialize_model_parallel(
-                tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, expert_model_parallel_size=ep,
-                expert_tensor_parallel_size=etp)
-        _save_layout(source, kind, keys, *layout)
+
+def _reshard_rank(rank: int, port: str, layouts: list[dict]) -> None:
+    """Each of `layouts` (see `reshard`: any kinds and key styles, one world size) in turn, in one process
+    group: a spawn (megatron-core's import) costs more than a layout."""
     import torch.distributed as dist
 
+    _start(rank, world_size(*(layouts[0][name] for name in SIZES_OF_LAYOUT)), port)
+    for layout in layouts:
+        _split(*(layout[name] for name in SIZES_OF_LAYOUT))
+        _save_layout(**layout)
     dist.destroy_process_group()
 
 
@@ -244,36 +257,22 @@ def _save_layout(source: str, kind: str, keys: str, tp: int, pp: int, vpp: int, 
     dist.barrier()
 
 
-def _spawn(source: str, port: str, kind: str, keys: str, layouts: list[tuple]) -> None:
+def reshard(layouts_json: str, port: str) -> None:
+    """The layouts listed in LAYOUTS_JSON (all of one world size), saved by one spawn of that many processes."""
     import torch.multiprocessing as mp
 
-    worlds = {_world(tp, pp, ep, etp or tp) for tp, pp, vpp, ep, etp, *_ in layouts}
+    with open(layouts_json) as f:
+        layouts = json.load(f)
+    worlds = {world_size(*(layout[name] for name in SIZES_OF_LAYOUT)) for layout in layouts}
     assert len(worlds) == 1, f"layouts of one spawn need one world size, not {worlds}"
-    for *_, dist_role, legacy_role in layouts:
-        for role in (dist_role, legacy_role):
-            shutil.copytree(os.path.join(source, "huggingface"), os.path.join(role, "huggingface"), dirs_exist_ok=True)
-        os.makedirs(os.path.join(dist_role, "dist_ckpt"), exist_ok=True)
-        os.makedirs(os.path.join(legacy_role, "model"), exist_ok=True)
-    mp.spawn(_reshard_rank, args=(source, port, kind, keys, layouts), nprocs=worlds.pop(), join=True)
-
-
-def reshard(source: str, dist_role: str, legacy_role: str, port: str, tp: str, pp: str, vpp: str, kind: str = "dense",
-            keys: str = "stacked", ep: str = "1", etp: str = "") -> None:
-    etp = int(etp) if etp else None  # None: megatron-core's default, the TP size
-    _spawn(source, port, kind, keys, [(int(tp), int(pp), int(vpp), int(ep), etp, dist_role, legacy_role)])
-
-
-def reshard_many(source: str, out_root: str, port: str, kind: str, *layouts: str) -> None:
-    """Layouts NAME=TP,PP,VPP,EP,ETP (ETP empty: the TP size), saved by one spawn into
-    OUT_ROOT/NAME/{dist,legacy}/global_step_7/actor."""
-    parsed = []
     for layout in layouts:
-        name, sizes = layout.split("=")
-        tp, pp, vpp, ep, etp = sizes.split(",")
-        roles = [os.path.join(out_root, name, side, "global_step_7", "actor") for side in ("dist", "legacy")]
-        parsed.append((int(tp), int(pp), int(vpp), int(ep), int(etp) if etp else None, *roles))
-    _spawn(source, port, kind, "stacked", parsed)
+        for role in (layout["dist_role"], layout["legacy_role"]):
+            shutil.copytree(os.path.join(layout["source"], "huggingface"), os.path.join(role, "huggingface"),
+                            dirs_exist_ok=True)
+        os.makedirs(os.path.join(layout["dist_role"], "dist_ckpt"), exist_ok=True)
+        os.makedirs(os.path.join(layout["legacy_role"], "model"), exist_ok=True)
+    mp.spawn(_reshard_rank, args=(port, layouts), nprocs=worlds.pop(), join=True)
 
 
 if __name__ == "__main__":
-    {"save": save, "reshard": reshard, "reshard_many": reshard_many}[sys.argv[1]](*sys.argv[2:])
+    {"save_many": save_many, "reshard": reshard}[sys.argv[1]](*sys.argv[2:])

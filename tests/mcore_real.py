@@ -2,7 +2,9 @@
 
 Shared by the dist_ckpt and legacy tests. Saves run in subprocesses (importing megatron.core widens
 torch.load's weights_only allow-list for the whole process, which would hide unpickling bugs in ours)
-and are cached for the session: a real save costs 10-40 s on two cores.
+and are cached for the session. Importing torch and megatron-core (~7 s on two cores) costs more than a
+save, so they come in stages, each one process or spawn, each written on first need: every TP=1 save
+(`tp1_save`), then every reshard of one world size (`parallel_save`, `ep_saves`: world 2 or 4) at once.
 
 The expected Hugging Face tensors come from the TP=1 model's own `state_dict()` through `hf_tensors`,
 a name table written here from the two libraries' module layouts, independent of mergecore's
@@ -22,6 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from mcore_dist_save import KINDS, world_size
 
 SAVER = Path(__file__).with_name("mcore_dist_save.py")
 STEP = 7
@@ -48,13 +52,14 @@ def _megatron(*args) -> None:
 
 
 def tp1_save(factory, kind: str) -> Path:
-    """The role folder of a TP=1 dist_ckpt save of `kind`, with params.pt and logits.pt."""
-    key = ("tp1", kind)
-    if key not in _made:
-        out = factory.mktemp(f"mcore-{kind}") / f"global_step_{STEP}" / "actor"
-        _megatron("save", out, _free_port(), kind)
-        _made[key] = out
-    return _made[key]
+    """The role folder of a TP=1 dist_ckpt save of `kind`, with params.pt and logits.pt (every kind of KINDS
+    is written by one process on the first call)."""
+    assert kind in KINDS, f"no TP=1 save of {kind!r}: tests/mcore_dist_save.py writes {KINDS}"
+    if ("tp1",) not in _made:
+        root = factory.mktemp("mcore-tp1")
+        _megatron("save_many", root, _free_port(), *KINDS)
+        _made[("tp1",)] = root
+    return _made[("tp1",)] / kind / f"global_step_{STEP}" / "actor"
 
 
 def parallel_save(factory, kind: str, layout: str, keys: str = "stacked") -> tuple[Path, Path]:
@@ -62,15 +67,44 @@ def parallel_save(factory, kind: str, layout: str, keys: str = "stacked") -> tup
 
     Both are written by the same processes; the dist_ckpt one also holds logits.pt when PP == 1.
     """
-    key = ("parallel", kind, layout, keys)
+    return _reshard(factory, *_parallel_entry(kind, layout, keys))
+
+
+def _parallel_entry(kind: str, layout: str, keys: str) -> tuple[tuple, tuple]:
+    """(cache key, (kind, keys, (tp, pp, vpp, ep, etp))) of a reshard at one of LAYOUTS."""
+    return ("parallel", kind, layout, keys), (kind, keys, (*LAYOUTS[layout], 1, None))
+
+
+def _ep_entry(name: str) -> tuple[tuple, tuple]:
+    """(cache key, (kind, keys, sizes)) of the MoE model at EP_LAYOUTS[name]."""
+    return ("ep", name), ("moe", "stacked", EP_LAYOUTS[name])
+
+
+def _planned() -> dict[tuple, tuple]:
+    """Every reshard the tests use: cache key -> (kind, keys, (tp, pp, vpp, ep, etp))."""
+    return dict([*(_parallel_entry(*save) for save in PARALLEL), *map(_ep_entry, EP_LAYOUTS)])
+
+
+def _reshard(factory, key: tuple, wanted: tuple) -> tuple[Path, Path]:
+    """The (dist, legacy) roles of reshard `key`. On first need, one spawn writes it with every planned reshard
+    of its world size not yet written, into ROOT/NAME/{dist,legacy}/global_step_7/actor."""
     if key not in _made:
-        base = tp1_save(factory, kind)
-        root = factory.mktemp(f"mcore-{kind}-{layout}-{keys}")
-        dist_role, legacy_role = (root / name / f"global_step_{STEP}" / "actor" for name in ("dist", "legacy"))
-        _megatron("reshard", base, dist_role, legacy_role, _free_port(), *LAYOUTS[layout], kind, keys)
-        for role in (dist_role, legacy_role):
-            (role.parent.parent / "latest_checkpointed_iteration.txt").write_text(str(STEP))
-        _made[key] = (dist_role, legacy_role)
+        world = world_size(*wanted[2])
+        group = {k: v for k, v in _planned().items() if world_size(*v[2]) == world and k not in _made}
+        group[key] = wanted
+        root = factory.mktemp(f"mcore-world{world}")
+        layouts, roles = [], {}
+        for k, (kind, keys, (tp, pp, vpp, ep, etp)) in group.items():
+            name = "-".join(k[1:])  # ep: the EP_LAYOUTS name, as ep_saves documents
+            roles[k] = tuple(root / name / side / f"global_step_{STEP}" / "actor" for side in ("dist", "legacy"))
+            layouts.append(dict(source=str(tp1_save(factory, kind)), kind=kind, keys=keys, tp=tp, pp=pp, vpp=vpp,
+                                ep=ep, etp=etp, dist_role=str(roles[k][0]), legacy_role=str(roles[k][1])))
+        (root / "layouts.json").write_text(json.dumps(layouts))
+        _megatron("reshard", root / "layouts.json", _free_port())
+        for k, pair in roles.items():
+            for role in pair:
+                (role.parent.parent / "latest_checkpointed_iteration.txt").write_text(str(STEP))
+            _made[k] = pair
     return _made[key]
 
 
@@ -167,7 +201,7 @@ PARALLEL_IDS = [f"{kind}-{layout}" + ("-per-layer" if keys == "per-layer" else "
 # ---- expert parallelism ----------------------------------------------------------------------------
 
 # name -> (tp, pp, vpp, ep, etp): the MoE model at expert_model_parallel_size 2, both of world size 2, written by
-# one spawn. tp2-ep2-etp1: experts whole on each rank (ETP 1), each TP rank its own expert rank, so verl's
+# the world-size-2 spawn. tp2-ep2-etp1: experts whole on each rank (ETP 1), each TP rank its own expert rank, so verl's
 # legacy files (data-parallel rank 0 only) hold every expert. ep2: TP 1, data parallel 2 = expert parallel 2,
 # so the legacy files hold expert rank 0's experts only (verl #2086).
 EP_LAYOUTS = {"tp2-ep2-etp1": (2, 1, 1, 2, 1), "ep2": (1, 1, 1, 2, None)}
@@ -175,23 +209,15 @@ EP_LAYOUTS = {"tp2-ep2-etp1": (2, 1, 1, 2, 1), "ep2": (1, 1, 1, 2, None)}
 
 def ep_saves(factory) -> Path:
     """The root of the EP saves: NAME/{dist,legacy}/global_step_7/actor for each of EP_LAYOUTS (dist roles also
-    hold experts_rank_R.pt, megatron-core's own placement of each rank's experts)."""
-    key = ("ep",)
-    if key not in _made:
-        base = tp1_save(factory, "moe")
-        root = factory.mktemp("mcore-moe-ep")
-        layouts = [f"{name}={','.join('' if s is None else str(s) for s in sizes)}"
-                   for name, sizes in EP_LAYOUTS.items()]
-        _megatron("reshard_many", base, root, _free_port(), "moe", *layouts)
-        for name in EP_LAYOUTS:
-            for side in ("dist", "legacy"):
-                (root / name / side / "latest_checkpointed_iteration.txt").write_text(str(STEP))
-        _made[key] = root
-    return _made[key]
+    hold experts_rank_R.pt, megatron-core's own placement of each rank's experts). Written with every other
+    reshard of world size 2."""
+    (root,) = {ep_role(factory, name, "dist").parents[3] for name in EP_LAYOUTS}
+    return root
 
 
 def ep_role(factory, name: str, side: str) -> Path:
-    return ep_saves(factory) / name / side / f"global_step_{STEP}" / "actor"
+    dist_role, legacy_role = _reshard(factory, *_ep_entry(name))
+    return {"dist": dist_role, "legacy": legacy_role}[side]
 
 
 def megatron_expert_placement(dist_role: Path, config: dict) -> dict[str, torch.Tensor]:

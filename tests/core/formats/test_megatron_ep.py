@@ -1,11 +1,11 @@
 """Megatron MoE checkpoints saved with expert parallelism (expert_model_parallel_size=2) by real megatron-core
 on CPU (gloo): dist_ckpt and verl's legacy rank folders.
 
-Two layouts of world size 2, written by one spawn (mcore_real.ep_saves): TP 2 with EP 2 and ETP 1 (every
-rank holds whole experts of its own expert rank) and TP 1 with EP 2 (data parallel 2). Expected values: the
-TP=1 save's own parameters (independent name table, mcore_real.hf_tensors), and each rank's own experts as
-its megatron-core MoE layer places them (`local_expert_indices`); logits: megatron-core's own forward of the
-TP=1 model and of each expert-parallel layout (experts dispatched across the two ranks).
+Two layouts of world size 2, written by the one spawn of every world-2 reshard (mcore_real.ep_saves): TP 2
+with EP 2 and ETP 1 (every rank holds whole experts of its own expert rank) and TP 1 with EP 2 (data parallel 2).
+Expected values: the TP=1 save's own parameters (independent name table, mcore_real.hf_tensors), and each rank's
+own experts as its megatron-core MoE layer places them (`local_expert_indices`); logits: megatron-core's own
+forward of the TP=1 model and of each expert-parallel layout (experts dispatched across the two ranks).
 """
 
 from __future__ import annotations
