@@ -28,6 +28,21 @@ def upload(fs, ckpt, prefix: str) -> str:
     return f"s3://{prefix}/global_step_1/actor"
 
 
+def rank_file_bytes(ckpt, names, ranks=None) -> int:
+    """Bytes the FSDP rank files of `ckpt` (a DemoCheckpoint) hold of the tensors `names`: each rank's local shard,
+    over `ranks` (default: all of them), read with torch itself."""
+    import torch
+    import torch.distributed.tensor  # noqa: F401  (DTensor's unpickling needs it)
+
+    files = sorted(ckpt.role_dir.glob("model_world_size_*_rank_*.pt"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
+    total = 0
+    for rank, path in enumerate(files):
+        if ranks is None or rank in ranks:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            total += sum(state[n].to_local().numel() * state[n].element_size() for n in names)
+    return total
+
+
 def objects(fs, prefix: str) -> dict[str, bytes]:
     fs.invalidate_cache()
     return {path[len(prefix) + 1:]: fs.cat_file(path) for path in fs.find(prefix)}

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 
 import pytest
 from safetensors.numpy import load_file, save_file
-from helpers import GROUPS, free_port, merge_group_states
+from helpers import GROUPS, free_port, merge_group_states, rank_file_bytes
 
 from ckptflow.flows.promote import promote_checkpoint
 
@@ -69,16 +69,8 @@ ARCHIVE_METADATA = 2 * 32 << 10  # a worker also reads both rank archives' direc
 
 def rank_bytes_of(ckpt, merged, files) -> int:
     """Bytes the rank files hold of the tensors in output `files` of the `merged` folder (its index says which)."""
-    import torch
-    import torch.distributed.tensor  # noqa: F401  (DTensor's unpickling needs it)
-
     weight_map = json.loads((merged / "model.safetensors.index.json").read_text())["weight_map"]
-    names = [name for name, file in weight_map.items() if file in files]
-    total = 0
-    for rank_file in sorted(ckpt.role_dir.glob("model_world_size_2_rank_*.pt")):
-        state = torch.load(rank_file, map_location="cpu", weights_only=True)
-        total += sum(state[n].to_local().numel() * state[n].element_size() for n in names)
-    return total
+    return rank_file_bytes(ckpt, [name for name, file in weight_map.items() if file in files])
 
 
 def test_local_cluster_merges_the_thread_bytes_in_worker_processes_and_caches_them(cli, demo, by_threads, tmp_path):

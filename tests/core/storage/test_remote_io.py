@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import objects, upload
+from helpers import objects, rank_file_bytes, upload
 
 s3fs = pytest.importorskip("s3fs")
 
@@ -48,9 +48,6 @@ def test_s3_to_s3_merge_is_byte_identical_and_reads_no_optimizer_byte(s3_env, s3
 
 
 def test_one_group_fetches_its_own_byte_ranges_only(s3_env, s3_reads, demo, tmp_path, monkeypatch):
-    import torch
-    import torch.distributed.tensor  # noqa: F401  (DTensor's unpickling needs it)
-
     from mergecore import merge_group, prepare
     from mergecore.engine.writer import prepare_files
 
@@ -65,22 +62,14 @@ def test_one_group_fetches_its_own_byte_ranges_only(s3_env, s3_reads, demo, tmp_
     prepare_files(prepared.plan, tmp_path / "staging")
     merge_group(prepared.source, prepared.plan, group, tmp_path / "staging")
 
-    for rank in range(2):
-        key = f"io-ckpts/io2/global_step_1/actor/model_world_size_2_rank_{rank}.pt"
-        state = torch.load(ckpt.role_dir / Path(key).name, map_location="cpu", weights_only=True)
-        group_bytes = sum(state[n].to_local().numel() * state[n].element_size() for n in names)
-        read_for_group = fetched[key] - after_prepare[key]
-        # Exactly the group's bytes, less what came with each member's header (up to 256 bytes of slack).
-        assert group_bytes - 256 * len(names) <= read_for_group <= group_bytes, (rank, read_for_group, group_bytes)
-        assert read_for_group < 0.5 * (ckpt.role_dir / Path(key).name).stat().st_size
+    for rank, read_for_group in enumerate(read_since(fetched, after_prepare, "io-ckpts/io2")):
+        assert_just_the_bytes_of(names, read_for_group, rank_file_bytes(ckpt, names, [rank]))
+        assert read_for_group < 0.5 * next(ckpt.role_dir.glob(f"model_world_size_2_rank_{rank}.pt")).stat().st_size
 
 
 def test_one_output_file_fetches_its_own_tensors_only(s3_env, s3_reads, demo, monkeypatch):
     """A file holding the final norm but not `lm_head` (one layer group, two files) reads the norm's bytes, never
     the head's: what a worker streaming that file to object storage downloads is that file's tensors."""
-    import torch
-    import torch.distributed.tensor  # noqa: F401  (DTensor's unpickling needs it)
-
     from mergecore import prepare
     from mergecore.engine.remote_writer import write_remote_file
 
@@ -98,12 +87,19 @@ def test_one_output_file_fetches_its_own_tensors_only(s3_env, s3_reads, demo, mo
 
     write_remote_file(prepared.source, plan, file, "s3://io-models/io-file", verify=False)
 
-    for rank in range(2):
-        key = f"io-ckpts/io-file/global_step_1/actor/model_world_size_2_rank_{rank}.pt"
-        state = torch.load(ckpt.role_dir / Path(key).name, map_location="cpu", weights_only=True)
-        file_bytes = sum(state[n].to_local().numel() * state[n].element_size() for n in names)
-        read_for_file = fetched[key] - before[key]
-        assert file_bytes - 256 * len(names) <= read_for_file <= file_bytes, (rank, read_for_file, file_bytes)
+    for rank, read_for_file in enumerate(read_since(fetched, before, "io-ckpts/io-file")):
+        assert_just_the_bytes_of(names, read_for_file, rank_file_bytes(ckpt, names, [rank]))
+
+
+def read_since(fetched, before, prefix: str) -> list[int]:
+    """Bytes fetched of each of the two rank files under `prefix` since `before` was counted."""
+    keys = [f"{prefix}/global_step_1/actor/model_world_size_2_rank_{rank}.pt" for rank in range(2)]
+    return [fetched[key] - before[key] for key in keys]
+
+
+def assert_just_the_bytes_of(names, read: int, held: int) -> None:
+    """`read` is the `held` bytes of tensors `names`, less what came with each member's header (<= 256 bytes)."""
+    assert held - 256 * len(names) <= read <= held, (read, held, names)
 
 
 @pytest.fixture
