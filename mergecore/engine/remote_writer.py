@@ -17,8 +17,12 @@ import time
 
 from ..errors import VerificationError
 from ..formats import CheckpointSource
-from .plan import MergePlan
+from ..numbers.nonfinite import checked_blocks
+from ..quantize.schemes import scheme_of
+from ..quantize.stream import quantized_blocks
 from ..storage import Location, RangeFile, _identity
+from .plan import MergePlan
+from .writer import tensor_bytes
 
 
 def write_remote_file(source: CheckpointSource, plan: MergePlan, file: str, target: str | Location, *,
@@ -53,19 +57,21 @@ def write_remote_file(source: CheckpointSource, plan: MergePlan, file: str, targ
                "tensors": len(planned), "bytes": position, "size": int(stored["size"]),
                "sha256": sent.hexdigest(), "identity": _identity(stored)}
     if verify:
-        receipt["pieces"] = check_stored_file(source, plan, file, location, stored, receipt["sha256"])
+        receipt["pieces"], errors = check_stored_file(source, plan, file, location, stored, receipt["sha256"])
+        receipt.update(errors)
     receipt["seconds"] = round(time.perf_counter() - started, 3)
     return {**receipt, "nonfinite": nonfinite} if nonfinite else receipt
 
 
 def check_stored_file(source: CheckpointSource, plan: MergePlan, file: str, location: Location, stored: dict,
-                      sha256: str) -> int:
+                      sha256: str) -> tuple[int, dict]:
     """Read the stored object back (into a sparse local file: one output file of local space at most) and prove
     it: the bytes hash to what was sent, the header names exactly the planned tensors, and every tensor (and each
-    dropped alias it stands for) equals every rank's shard. Returns the number of pieces compared."""
+    dropped alias it stands for) equals every rank's shard, or, quantized, is the quantization of its rows within
+    the scheme's bound. Returns (pieces compared, the quantized errors: {} without any)."""
     from ..targets.output import sha256_file
     from ..storage.tensorio import SafetensorsFile
-    from ..proofs.verify import round_trip_pieces
+    from ..proofs.verify import round_trip_of
 
     copy = RangeFile(location, stored)
     copy.fetch([(0, copy.size)])
@@ -77,16 +83,13 @@ def check_stored_file(source: CheckpointSource, plan: MergePlan, file: str, loca
     if set(weights.keys()) != names:
         raise VerificationError(f"{location}: holds {sorted(set(weights.keys()) ^ names)[:3]} beside or instead "
                                 "of the planned tensors; merge again")
-    return round_trip_pieces(source, weights.get_tensor, names, plan.aliases)
+    return round_trip_of(source, weights.get_tensor, names, plan.aliases, plan, location)
 
 
 def _stream(source, plan, file, planned, out, sent, on_nonfinite, budget, on_tensor) -> tuple[int, dict]:
     """Write the header and then every planned tensor of `file`, in order, to `out`; returns (data bytes written,
     non-finite counts per tensor)."""
-    from ..numbers.nonfinite import checked_blocks
-    from .writer import tensor_bytes
-
-    nonfinite = {}
+    nonfinite, held = {}, {}
     header = plan.header(file)
     out.write(header)
     sent.update(header)
@@ -94,17 +97,37 @@ def _stream(source, plan, file, planned, out, sent, on_nonfinite, budget, on_ten
     for entry in planned:
         if entry.begin != position:
             raise AssertionError(f"{file}: the plan leaves bytes {position}..{entry.begin} unassigned")
-        for _, block in checked_blocks(source, entry, budget, on_nonfinite, nonfinite):  # bytes in order
-            data = tensor_bytes(block)
+        for data in _entry_bytes(source, plan, entry, budget, on_nonfinite, nonfinite, held):  # bytes in order
             out.write(data)
             sent.update(data)
             position += len(data)
-            del block, data
+            del data
         if position != entry.end:
             raise AssertionError(f"{entry.name}: wrote up to byte {position} of {file}, planned {entry.end}")
         if on_tensor:
             on_tensor(entry.name)
     return position, nonfinite
+
+
+def _entry_bytes(source, plan, entry, budget, on_nonfinite: str, found: dict, held: dict):
+    """The bytes of planned tensor `entry`, in file order, block by block. A quantized weight's parts all come from
+    one pass over its rows (`quantize.stream.quantized_blocks`, run when its primary part comes): the primary's
+    blocks are sent as they come, the small parts (scales, shape) kept in `held` until their turn, which the plan
+    puts right after the primary in the same file."""
+    if entry.part is None:
+        for _, block in checked_blocks(source, entry, budget, on_nonfinite, found):
+            yield tensor_bytes(block)
+        return
+    if entry.name in held:
+        yield from held.pop(entry.name)
+        return
+    if entry.part != scheme_of(plan.quantization).primary:
+        raise AssertionError(f"{entry.name}: planned before its weight's {scheme_of(plan.quantization).primary}")
+    for part, _, block in quantized_blocks(source, plan, entry, budget, on_nonfinite, found):
+        if part.name == entry.name:
+            yield tensor_bytes(block)
+        else:
+            held.setdefault(part.name, []).append(tensor_bytes(block))
 
 
 def abandon(out) -> None:

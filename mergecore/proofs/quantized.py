@@ -20,12 +20,13 @@ from ..quantize.schemes import scheme_of
 from ..quantize.stream import quantize_rows, source_bands
 
 
-def quantized_round_trip(source, get, plan, folder, workers: int = 2) -> dict:
-    """Every quantized weight of `plan` proven against the checkpoint (`check_quantized`), each output tensor read
-    with `get(name)`; returns the scheme and the measured errors for the round-trip record."""
+def quantized_round_trip(source, get, plan, folder, workers: int = 2, held: set[str] | None = None) -> dict:
+    """Every quantized weight of `plan` (or those whose parts are among the output names `held`: one weight file's)
+    proven against the checkpoint (`check_quantized`), each output tensor read with `get(name)`; returns the scheme
+    and the measured errors for the round-trip record."""
     parts: dict[str, dict] = {}
     for t in plan.tensors:
-        if t.part:
+        if t.part and (held is None or t.name in held):
             parts.setdefault(t.source_name, {})[t.part] = t
     with ThreadPoolExecutor(max(1, workers)) as pool:
         errors = list(pool.map(lambda name: check_quantized(source, get, plan.quantization, name, parts[name], folder),
@@ -68,3 +69,14 @@ def check_quantized(source, get, spec: dict, name: str, parts: dict, folder) -> 
 def _differs(folder, name: str, what: str) -> VerificationError:
     return VerificationError(f"{folder}: {name}'s {what} is not the quantization of the checkpoint's values; "
                              "the merge is wrong: do not publish it (please report this)")
+
+
+def quantized_errors(plan, receipts: list[dict]) -> dict:
+    """The round-trip record's quantized part (as a local folder's: scheme, weights, largest errors) from the
+    receipts of the files that hold them; {} for a plain merge."""
+    if not plan.quantization:
+        return {}
+    found = [r for r in receipts if "scheme" in r]
+    return {"scheme": plan.quantization["scheme"], "quantized": sum(r["quantized"] for r in found),
+            "max_abs_error": max((r["max_abs_error"] for r in found), default=0.0),
+            "max_error_vs_bound": max((r["max_error_vs_bound"] for r in found), default=0.0)}

@@ -26,7 +26,9 @@ from ..targets.output import MANIFEST_FILE, sha256_file
 from ..storage import Location, RangeFile
 from ..targets import open_target
 from ..storage.tensorio import INDEX_FILES, WEIGHT_SUFFIXES, SafetensorsFile, _weight_map
-from .verify import file_changed, file_missing, round_trip_pieces, tensors_differ
+from ..formats.base import read_hf_config
+from .quantized import quantized_errors
+from .verify import file_changed, file_missing, manifest_plan, round_trip_of, tensors_differ
 
 
 def verify_remote(target: str | Location, source: CheckpointSource | None = None, manifest: dict | None = None,
@@ -42,20 +44,31 @@ def verify_remote(target: str | Location, source: CheckpointSource | None = None
              for name, entry in files.items() if name not in weight_files and name != MANIFEST_FILE}
     layout = _weight_layout(location, weight_files, small)
     aliases = manifest.get("aliases", {})
-    expected = set(source.tensors()) - set(aliases) if source is not None else None
+    plan = _quantized_plan(source, manifest)
+    expected = None if source is None else {t.name for t in plan.tensors} if plan else set(source.tensors()) - set(aliases)
     if expected is not None and None not in layout.values():  # names known from the index: fail before any fetch
         found = {name for names in layout.values() for name in names}
         if found != expected:
             raise tensors_differ(location, found, expected)
         expected = None
-    pieces = 0
+    pieces, receipts = 0, []
     for name in weight_files:
-        pieces += _verify_weight_file(location.join(name), files[name], layout[name], source, aliases, workers,
-                                      expected)
+        compared, errors = _verify_weight_file(location.join(name), files[name], layout[name], source, aliases,
+                                               workers, expected, plan)
+        pieces += compared
+        receipts.append(errors)
     results = [{"check": "manifest", "files": len(files), "ok": True}]
     if source is not None:
-        results.append({"check": "round-trip", "tensors": len(source.tensors()), "pieces": pieces, "ok": True})
+        results.append({"check": "round-trip", "tensors": len(source.tensors()), "pieces": pieces,
+                        **(quantized_errors(plan, receipts) if plan else {}), "ok": True})
     return results
+
+
+def _quantized_plan(source: CheckpointSource | None, manifest: dict):
+    """The plan of a quantized merge the manifest records, made again from `source` (None otherwise)."""
+    if source is None or not (manifest["source"].get("options") or {}).get("quantize"):
+        return None
+    return manifest_plan(source, read_hf_config(source), manifest)
 
 
 class _Fetched:
@@ -101,12 +114,14 @@ def _weight_layout(location: Location, weight_files: list[str], small: dict[str,
 
 
 def _verify_weight_file(location: Location, entry: dict, names: set[str] | None, source: CheckpointSource | None,
-                        aliases: dict[str, str], workers: int, expected: set[str] | None = None) -> int:
+                        aliases: dict[str, str], workers: int, expected: set[str] | None = None,
+                        plan=None) -> tuple[int, dict]:
     """Fetch one weight file by ranges, check its size and sha256, then its tensors against `source`; returns
-    the pieces compared. Its local bytes go when this returns (the range file and its mapping are local here).
+    (the pieces compared, its quantized weights' errors: {} without any). Its local bytes go when this returns
+    (the range file and its mapping are local here).
 
     `names`: the tensors the index maps to it (None: no index); `expected`: every output tensor, when this file
-    (a model's only one, without an index) must hold them all."""
+    (a model's only one, without an index) must hold them all; `plan`: a quantized merge's (`_quantized_plan`)."""
     if not location.name.endswith(".safetensors"):
         raise CheckpointError(f"{location}: pickled weights are not read from object storage; merge it again "
                               "(ckptflow writes .safetensors)")
@@ -120,7 +135,7 @@ def _verify_weight_file(location: Location, entry: dict, names: set[str] | None,
     if sha256_file(remote.path) != entry["sha256"]:
         raise file_changed(location)
     if source is None:
-        return 0
+        return 0, {}
     try:
         weights = SafetensorsFile(remote.path)
     except CheckpointError as error:
@@ -132,5 +147,5 @@ def _verify_weight_file(location: Location, entry: dict, names: set[str] | None,
                               "the folder was changed after it was written: merge again")
     if expected is not None and held != expected:
         raise tensors_differ(location.parent, held, expected)
-    return round_trip_pieces(source, weights.get_tensor, held, aliases, workers)
+    return round_trip_of(source, weights.get_tensor, held, aliases, plan, location, workers)
 

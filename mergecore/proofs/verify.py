@@ -43,10 +43,22 @@ def verify_round_trip(source: CheckpointSource, folder: Path, aliases: dict[str,
         found = set(weights.names())
         if found != expected:
             raise tensors_differ(folder, found, expected)
-        plain = {t.name for t in plan.tensors if not t.part} if quantized else found
-        pieces = round_trip_pieces(source, weights.get, plain, aliases, workers)
-        errors = quantized_round_trip(source, weights.get, plan, folder, workers) if quantized else {}
+        pieces, errors = round_trip_of(source, weights.get, found, aliases, plan if quantized else None, folder, workers)
     return {"check": "round-trip", "tensors": len(source.tensors()), "pieces": pieces, **errors, "ok": True}
+
+
+def round_trip_of(source: CheckpointSource, get, held: set[str], aliases: dict[str, str], plan=None, where=None,
+                  workers: int = 1) -> tuple[int, dict]:
+    """The round trip of the output tensors `held` (a folder's, or one weight file's), each read with `get(name)`:
+    plain tensors piece by piece (`round_trip_pieces`), and with a quantized `plan`, each quantized weight whose
+    parts are held re-quantized, compared and decoded within the scheme's bound (`quantized_round_trip`; `where`
+    names the folder or file in its errors). Returns (pieces compared, the quantized errors: {} without any)."""
+    if plan is None or not plan.quantization:
+        return round_trip_pieces(source, get, held, aliases, workers), {}
+    plain = {t.name for t in plan.tensors if not t.part and t.name in held}
+    parts = {t.name for t in plan.tensors if t.part and t.name in held}
+    errors = quantized_round_trip(source, get, plan, where, workers, held=parts) if parts else {}
+    return round_trip_pieces(source, get, plain, aliases, workers) + len(parts), errors
 
 
 def round_trip_pieces(source: CheckpointSource, get, held: set[str], aliases: dict[str, str], workers: int = 1) -> int:

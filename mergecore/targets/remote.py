@@ -93,9 +93,6 @@ class RemoteTarget(Target):
         write: all but those an interrupted run of this merge finished (their receipts are in `kept`)."""
         from ..engine.fingerprints import weights_id
 
-        if prepared.plan.quantization:  # its file-by-file writer and check know plain tensors only
-            raise CheckpointError(f"{self.url}: --quantize writes to a local folder for now; merge into a folder, "
-                                  "then push it (--hf_upload_path) or copy it to object storage")
         merge_id = weights_id(prepared.source, prepared.plan)
         fs, root = self._fs_root
         if self.location.join(MANIFEST_FILE).exists():
@@ -160,6 +157,7 @@ class RemoteTarget(Target):
         the manifest is written last. `checks(folder)` (a reference's tensors and logits) runs on a local copy
         before anything is published."""
         from ..engine.merge import describe_folder, finish_folder
+        from ..proofs.quantized import quantized_errors
 
         published = self.published(prepared)
         if published:
@@ -173,7 +171,8 @@ class RemoteTarget(Target):
                 raise VerificationError(f"{self.location.join(file)}: not the file this merge wrote (missing or "
                                         "replaced since); nothing was published: merge again")
         results = [{"check": "round-trip", "tensors": len(prepared.source.tensors()),
-                    "pieces": sum(by_file[f]["pieces"] for f in plan.files), "ok": True}] if verify else []
+                    "pieces": sum(by_file[f]["pieces"] for f in plan.files),
+                    **quantized_errors(plan, [by_file[f] for f in plan.files]), "ok": True}] if verify else []
         stored = {f: {"sha256": by_file[f]["sha256"], "size": by_file[f]["size"]} for f in plan.files}
         with tempfile.TemporaryDirectory(prefix="ckptflow-publish-") as scratch:
             folder = Path(scratch)
@@ -249,3 +248,4 @@ def check_sizes(target: str | Location, manifest: dict) -> dict:
         if size != entry["size"]:
             raise file_changed(location.join(name))
     return {"check": "manifest (size)", "files": len(manifest["files"]), "ok": True}
+

@@ -184,3 +184,40 @@ def test_promotion_from_s3_to_s3_equals_the_local_merge(prefect_server, s3_env, 
     assert rerun.exit_code == 0, rerun.output
     assert "manifest (size)" in rerun.stdout and "files reused from cache" in rerun.stdout
     assert objects(s3_env, "io-models/io4") == remote
+
+
+@pytest.mark.parametrize("scheme", ["fp8-block", "w4a16"])
+def test_a_quantized_merge_to_s3_is_the_local_one_and_verifies(s3_env, demo, cli, tmp_path, scheme):
+    """`--quantize` to object storage (was refused): each file streamed with its weights' parts in order, read back
+    and proven (re-quantized, decoded within the bound), the objects byte for byte the local merge's files; `verify`
+    re-proves the stored model and refuses one whose quantized bytes were changed."""
+    ckpt = demo("quant-dense-tied")
+    shards = ("--max-shard-size", "64KB")  # several files, some holding a weight's parts and plain tensors
+    local = cli("merge", "--local_dir", ckpt.role_dir, "--target_dir", tmp_path / "local", "--quantize", scheme, *shards)
+    assert local.exit_code == 0, local.output
+    name = f"io-q-{scheme}"
+    source = upload(s3_env, ckpt, f"io-ckpts/{name}")
+    remote = cli("merge", "--local_dir", source, "--target_dir", f"s3://io-models/{name}", "--quantize", scheme, *shards)
+    assert remote.exit_code == 0, remote.output
+
+    stored = objects(s3_env, f"io-models/{name}")
+    files = {p.name: p.read_bytes() for p in (tmp_path / "local").iterdir() if p.name not in (MANIFEST, "README.md")}
+    assert len([n for n in files if n.endswith(".safetensors")]) > 2
+    assert {n: stored[n] for n in files} == files  # weights, index, config with its quantization_config
+    record = next(r for r in json.loads(stored[MANIFEST])["verification"] if r["check"] == "round-trip")
+    local_record = next(r for r in json.loads((tmp_path / "local" / MANIFEST).read_text())["verification"]
+                        if r["check"] == "round-trip")
+    assert {k: record[k] for k in ("scheme", "quantized", "max_abs_error", "max_error_vs_bound")} == \
+        {k: local_record[k] for k in ("scheme", "quantized", "max_abs_error", "max_error_vs_bound")}
+    assert record["quantized"] > 0 and record["max_error_vs_bound"] <= 1
+
+    checked = cli("verify", f"s3://io-models/{name}", "--source", source)
+    assert checked.exit_code == 0, checked.output
+    assert f"scheme={scheme}" in checked.stdout
+    packed = "weight" if scheme == "fp8-block" else "weight_packed"
+    index = json.loads(stored["model.safetensors.index.json"])["weight_map"]
+    victim = index[f"model.layers.0.mlp.down_proj.{packed}"]
+    data = bytearray(stored[victim])
+    data[-1] ^= 0x01  # the last byte of the file's last tensor
+    s3_env.pipe_file(f"io-models/{name}/{victim}", bytes(data))
+    assert cli("verify", f"s3://io-models/{name}", "--skip-source").exit_code != 0  # the manifest's sha256 says so
