@@ -44,7 +44,8 @@ def write_remote_file(source: CheckpointSource, plan: MergePlan, file: str, targ
     fs, path = location._fs_path
     planned = sorted(plan.in_file(file), key=lambda t: t.begin)
     sent = hashlib.sha256()
-    source.prefetch([t.name for t in planned])  # from remote rank files: this file's bytes only, in one batch
+    # from remote rank files: the bytes of this file's tensors only (a quantized part's: its weight's), in one batch
+    source.prefetch(list(dict.fromkeys(t.source_name or t.name for t in planned)))
     out = fs.open(path, "wb")
     try:
         position, nonfinite = _stream(source, plan, file, planned, out, sent, on_nonfinite, budget, on_tensor)

@@ -67,27 +67,38 @@ def test_one_group_fetches_its_own_byte_ranges_only(s3_env, s3_reads, demo, tmp_
         assert read_for_group < 0.5 * next(ckpt.role_dir.glob(f"model_world_size_2_rank_{rank}.pt")).stat().st_size
 
 
-def test_one_output_file_fetches_its_own_tensors_only(s3_env, s3_reads, demo, monkeypatch):
-    """A file holding the final norm but not `lm_head` (one layer group, two files) reads the norm's bytes, never
-    the head's: what a worker streaming that file to object storage downloads is that file's tensors."""
+@pytest.mark.parametrize("fixture, options, first, other", [
+    # the final norm's file does not hold lm_head, the rest of its layer group
+    ("fsdp2-w2-vocab8k", {"dtype": "keep"}, "model.norm.weight", "lm_head.weight"),
+    # quantized: the file of layer 0's first weight (its parts) does not hold layer 0's MLP
+    ("quant-dense-tied", {"dtype": "bf16", "quantize": "fp8-block"}, "model.layers.0.self_attn.q_proj.weight",
+     "model.layers.0.mlp.down_proj.weight"),
+])
+def test_one_output_file_fetches_its_own_tensors_only(s3_env, s3_reads, demo, monkeypatch, fixture, options, first,
+                                                      other):
+    """A file holding part of a layer group reads its own tensors' bytes, never the rest of the group's: what a
+    worker streaming that file to object storage downloads is that file's tensors (a quantized part's: its
+    weight's)."""
     from mergecore import prepare
     from mergecore.engine.remote_writer import write_remote_file
 
     monkeypatch.setenv("CKPTFLOW_RANGE_GAP", "0")  # tiny tensors: by default neighbours come in the same request
-    ckpt = demo("fsdp2-w2-vocab8k")
-    source = upload(s3_env, ckpt, "io-ckpts/io-file")
-    prepared = prepare(source, dtype="keep", max_shard_size="64KB")
+    ckpt = demo(fixture)
+    prefix = f"io-ckpts/io-file-{fixture}"
+    prepared = prepare(upload(s3_env, ckpt, prefix), max_shard_size="64KB", **options)
     plan = prepared.plan
-    placed = {t.name: t for t in plan.tensors}
-    file = placed["model.norm.weight"].file
-    names = [t.name for t in plan.in_file(file)]
-    assert placed["lm_head.weight"].file != file and placed["lm_head.weight"].group == placed["model.norm.weight"].group
+    source_of = {t.name: t.source_name or t.name for t in plan.tensors}
+    file_of = {source_of[t.name]: t.file for t in plan.tensors}
+    file = file_of[first]
+    names = sorted({source_of[t.name] for t in plan.in_file(file)})
+    assert file_of[other] != file  # ... of the same layer group:
+    assert len({t.group for t in plan.tensors if source_of[t.name] in (first, other)}) == 1
     fetched, _ = s3_reads
     before = collections.Counter(fetched)
 
-    write_remote_file(prepared.source, plan, file, "s3://io-models/io-file", verify=False)
+    write_remote_file(prepared.source, plan, file, f"s3://io-models/io-file-{fixture}", verify=False)
 
-    for rank, read_for_file in enumerate(read_since(fetched, before, "io-ckpts/io-file")):
+    for rank, read_for_file in enumerate(read_since(fetched, before, prefix)):
         assert_just_the_bytes_of(names, read_for_file, rank_file_bytes(ckpt, names, [rank]))
 
 
