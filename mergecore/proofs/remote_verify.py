@@ -26,9 +26,8 @@ from ..targets.output import MANIFEST_FILE, sha256_file
 from ..storage import Location, RangeFile
 from ..targets import open_target
 from ..storage.tensorio import INDEX_FILES, WEIGHT_SUFFIXES, SafetensorsFile, _weight_map
-from ..formats.base import read_hf_config
 from .quantized import quantized_errors
-from .verify import file_changed, file_missing, manifest_plan, round_trip_of, tensors_differ
+from .verify import file_changed, file_missing, quantized_plan, round_trip_of, tensors_differ
 
 
 def verify_remote(target: str | Location, source: CheckpointSource | None = None, manifest: dict | None = None,
@@ -44,7 +43,7 @@ def verify_remote(target: str | Location, source: CheckpointSource | None = None
              for name, entry in files.items() if name not in weight_files and name != MANIFEST_FILE}
     layout = _weight_layout(location, weight_files, small)
     aliases = manifest.get("aliases", {})
-    plan = _quantized_plan(source, manifest)
+    plan = quantized_plan(source, manifest) if source is not None else None
     expected = None if source is None else {t.name for t in plan.tensors} if plan else set(source.tensors()) - set(aliases)
     if expected is not None and None not in layout.values():  # names known from the index: fail before any fetch
         found = {name for names in layout.values() for name in names}
@@ -62,13 +61,6 @@ def verify_remote(target: str | Location, source: CheckpointSource | None = None
         results.append({"check": "round-trip", "tensors": len(source.tensors()), "pieces": pieces,
                         **(quantized_errors(plan, receipts) if plan else {}), "ok": True})
     return results
-
-
-def _quantized_plan(source: CheckpointSource | None, manifest: dict):
-    """The plan of a quantized merge the manifest records, made again from `source` (None otherwise)."""
-    if source is None or not (manifest["source"].get("options") or {}).get("quantize"):
-        return None
-    return manifest_plan(source, read_hf_config(source), manifest)
 
 
 class _Fetched:
@@ -121,7 +113,7 @@ def _verify_weight_file(location: Location, entry: dict, names: set[str] | None,
     (the range file and its mapping are local here).
 
     `names`: the tensors the index maps to it (None: no index); `expected`: every output tensor, when this file
-    (a model's only one, without an index) must hold them all; `plan`: a quantized merge's (`_quantized_plan`)."""
+    (a model's only one, without an index) must hold them all; `plan`: a quantized merge's (`verify.quantized_plan`)."""
     if not location.name.endswith(".safetensors"):
         raise CheckpointError(f"{location}: pickled weights are not read from object storage; merge it again "
                               "(ckptflow writes .safetensors)")

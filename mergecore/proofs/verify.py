@@ -157,11 +157,15 @@ def manifest_plan(source: CheckpointSource, config: dict, manifest: dict):
 
 def recorded_plan(source: CheckpointSource, folder: Path):
     """The plan of a published quantized folder, from its manifest (None for a plain merge, or without a manifest)."""
-    from ..formats.base import read_hf_config
-
     if not (Path(folder) / MANIFEST_FILE).exists():
         return None
-    manifest = load_manifest(folder)
+    return quantized_plan(source, load_manifest(folder))
+
+
+def quantized_plan(source: CheckpointSource, manifest: dict):
+    """The plan of the quantized merge `manifest` records, made again from `source` (None for a plain merge)."""
+    from ..formats.base import read_hf_config
+
     if not (manifest["source"].get("options") or {}).get("quantize"):
         return None
     return manifest_plan(source, read_hf_config(source), manifest)
