@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from ..errors import CheckpointError
+from ..numbers.claims import exactly
 from .registry import family_of
 
 # Shapes are tuples of derived config fields (see `dimensions`). `{}` is the layer index.
@@ -223,7 +224,7 @@ def check_against_config(shapes: dict[str, tuple[int, ...]], config: dict, where
     # a vision tower's own `layers.N` (SigLIP under `vision_tower.`) are not decoder layers
     layers = {i for name in shapes if (i := layer_index(name)) is not None and not _VISION.search(name)}
     expected = text_config(config).get("num_hidden_layers")
-    if layers and isinstance(expected, int) and layers != set(range(expected)):
+    if layers and isinstance(expected, int) and not exactly(expected, layers):
         raise CheckpointError(
             f"checkpoint has decoder layers {min(layers)}..{max(layers)} ({len(layers)}) but {where} says "
             f"num_hidden_layers={expected}; the checkpoint and config.json are from different models "
@@ -283,7 +284,7 @@ def check_expert_counts(names, config: dict, folder, where: str) -> None:
         if match := _EXPERT.search(name):
             per_layer.setdefault(int(match[1]), set()).add(int(match[2]))
     for layer, found in sorted(per_layer.items()):
-        if found != set(range(experts)):
+        if not exactly(experts, found):
             raise CheckpointError(
                 f"{folder}: decoder layer {layer} has experts {sorted(found)[:3]}... ({len(found)}) but {where} "
                 f"says {experts} experts; expert-parallel pieces are missing or the config is not this model's "
@@ -297,7 +298,7 @@ def _check_vision(shapes, config: dict, where: str) -> None:
         return
     blocks = {int(m[1]) for name in shapes if (m := _VISION_BLOCK.match(_row_name(name)))}
     depth, heads, hidden = vision.get("depth"), vision.get("num_heads"), vision.get("hidden_size")
-    if blocks and isinstance(depth, int) and blocks != set(range(depth)):
+    if blocks and isinstance(depth, int) and not exactly(depth, blocks):
         raise CheckpointError(
             f"checkpoint has vision blocks {min(blocks)}..{max(blocks)} ({len(blocks)}) but {where} says "
             f"vision_config.depth={depth}; the checkpoint and config.json are from different models "

@@ -29,8 +29,11 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from .detect import DIST_DIR, DIST_METADATA_FILE, MP_RANK_DIR
+from ..errors import CheckpointError
 from ..storage import Location
+from ..numbers.claims import absent
+from .detect import DIST_DIR, DIST_METADATA_FILE, MP_RANK_DIR
+from .fsdp import read_fsdp_config
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CONTENTS_FILE = "ckpt_contents.json"
@@ -58,7 +61,8 @@ class Poll:
 
 def poll(root: str | Location, previous: dict[str, Sizes] | None = None) -> Poll:
     """Look at every checkpoint folder under `root` once; complete = structurally whole and unchanged since
-    `previous` (the `sizes` of the last poll; None: the first look, nothing is complete yet)."""
+    `previous` (the `sizes` of the last poll; None: the first look, nothing is complete yet). A folder whose
+    marker files cannot be checked (damaged, hostile) waits, with the reason: one folder never stops a watch."""
     root = Location.of(root)
     files = _list_files(root)
     result = Poll()
@@ -67,7 +71,10 @@ def poll(root: str | Location, previous: dict[str, Sizes] | None = None) -> Poll
         own = {p[len(prefix):]: size for p, size in files.items() if p.startswith(prefix)}
         url = root.join(folder).url if folder else root.url
         result.sizes[url] = own
-        missing = _missing(kind, own, root, folder)
+        try:
+            missing = _missing(kind, own, root, folder)
+        except Exception as error:  # noqa: BLE001 - one folder's odd files must not stop the watch of all the others
+            missing = f"cannot be checked ({type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]})"
         if missing is None and (previous or {}).get(url) != own:
             missing = "sizes not yet stable across two polls"
         if missing is None:
@@ -126,9 +133,11 @@ def _fsdp_missing(files: Sizes, folder: Location) -> str | None:
     if HF_CONFIG not in files:
         return f"no {HF_CONFIG}"
     try:
-        world_size = int(json.loads(folder.join(FSDP_CONFIG_FILE).read_text())["world_size"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        return f"{FSDP_CONFIG_FILE} unreadable yet ({type(error).__name__})"
+        world_size = read_fsdp_config(folder.join(FSDP_CONFIG_FILE)).get("world_size")
+    except (OSError, CheckpointError) as error:  # written as we look, or bad: the reader says which, in one line
+        return f"{FSDP_CONFIG_FILE} unreadable yet ({error})"
+    if world_size is None:
+        return f"{FSDP_CONFIG_FILE} names no world_size"
     by_kind: dict[str, set[tuple[int, int]]] = {}
     for name in files:
         match = _ANY_RANK_FILE.match(name)
@@ -136,12 +145,13 @@ def _fsdp_missing(files: Sizes, folder: Location) -> str | None:
             by_kind.setdefault(match[1], set()).add((int(match[2]), int(match[3])))
     if "model" not in by_kind:
         return "no model rank files"
-    wanted = {(world_size, rank) for rank in range(world_size)}
     for prefix, present in sorted(by_kind.items()):
-        if present != wanted:
-            absent = sorted(r for w, r in wanted - present)
-            return f"{prefix} rank files for world size {world_size} incomplete (missing ranks {absent[:8]})" \
-                if absent else f"{prefix} rank files name a world size other than {world_size}"
+        # the world size is a claim: compared with the files listed, never enumerated (`claims.absent`)
+        missing = absent(world_size, [r for w, r in present if w == world_size], show=8)
+        if missing.count:
+            return f"{prefix} rank files for world size {world_size} incomplete (missing ranks {missing.lowest})"
+        if any(w != world_size or r >= world_size for w, r in present):
+            return f"{prefix} rank files name a world size other than {world_size}"
     return None
 
 
@@ -155,12 +165,13 @@ def _legacy_missing(files: Sizes, folder: Location) -> str | None:
     tp = max(t for t, _, _ in grid) + 1
     pp = max(p for _, p, _ in grid) + 1
     named = {(t, p): name for t, p, name in grid}
-    for t in range(tp):
-        for p in range(pp):
-            if (t, p) not in named:
-                return f"model/mp_rank folder for tp {t}, pp {p} missing"
-            if f"model/{named[t, p]}/model.pt" not in files:
-                return f"model/{named[t, p]}/model.pt missing"
+    missing = absent(tp * pp, [t * pp + p for t, p in named])  # the grid the highest folder names claim
+    if missing.count:
+        t, p = divmod(missing.lowest[0], pp)
+        return f"model/mp_rank folder for tp {t}, pp {p} missing"
+    for t, p in sorted(named):
+        if f"model/{named[t, p]}/model.pt" not in files:
+            return f"model/{named[t, p]}/model.pt missing"
     return None if HF_CONFIG in files else f"no {HF_CONFIG}"
 
 
@@ -171,8 +182,10 @@ def _dist_missing(files: Sizes, folder: Location) -> str | None:
             return f"no {CONTENTS_FILE} (verl writes it last)"
         try:
             parts = json.loads(folder.join(CONTENTS_FILE).read_text())
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, RecursionError) as error:
             return f"{CONTENTS_FILE} unreadable yet ({type(error).__name__})"
+        if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
+            return f"{CONTENTS_FILE} is not a list of part names (verl writes [\"model\", ...])"
         needed = [_CONTENT_PROOF[p] for p in parts if p in _CONTENT_PROOF]
         needed += [f"model/{DIST_DIR}/{DIST_METADATA_FILE}", f"model/{DIST_DIR}/metadata.json"]
         if "hf_model" not in parts:

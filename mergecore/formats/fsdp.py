@@ -22,6 +22,7 @@ from ..numbers.arrays import bitwise_equal
 from ..errors import CheckpointError
 from ..storage import Location, RangeFile, fetch_ranges
 from .base import CheckpointSource, Piece, TensorInfo
+from ..numbers.claims import absent
 from .detect import FSDP_RANK_FILE as RANK_FILE
 from .fetching import FetchesByGroup
 from .torchfile import DTensorRecord, ShardedTensorRecord, fetch_archive_metadata, load, member_span
@@ -109,8 +110,9 @@ def _raised(value):
     return value
 
 
-def _fsdp_config(where: Location) -> dict:
-    """verl's `fsdp_config.json`: `{"FSDP_version": 1|2, "world_size": W}`."""
+def read_fsdp_config(where: Location) -> dict:
+    """verl's `fsdp_config.json`: `{"FSDP_version": 1|2, "world_size": W}`, W a positive integer (a claim:
+    readers compare it with the rank files present, `claims.absent`)."""
     from ..storage.tensorio import read_json
 
     fix = 'fix it (verl writes {"FSDP_version": 2, "world_size": W}) or delete it to infer W from the rank files'
@@ -129,7 +131,7 @@ class FsdpCheckpoint(FetchesByGroup, CheckpointSource):
         self.hf_dir = hf_dir if hf_dir is not None else location.join("huggingface")
         self.step = step
         names = location.listdir()
-        self._fsdp_config = _fsdp_config(location.join("fsdp_config.json")) if "fsdp_config.json" in names else {}
+        self._fsdp_config = read_fsdp_config(location.join("fsdp_config.json")) if "fsdp_config.json" in names else {}
         self.world_size, self._rank_names = self._find_ranks(names)
 
     def _find_ranks(self, names: list[str]) -> tuple[int, list[str]]:
@@ -156,11 +158,13 @@ class FsdpCheckpoint(FetchesByGroup, CheckpointSource):
                 f"{self.location.join('fsdp_config.json')}: says world_size {world} but the rank files are for "
                 f"world size {sorted({w for w, _ in found})}; fix fsdp_config.json or the file names"
             )
-        missing = [r for r in range(world) if (world, r) not in found]
-        if missing:
+        # the world size is a claim (fsdp_config.json, a file name): compared with the rank files listed, never
+        # enumerated, so 10**18 beside one rank file costs what that one file costs
+        missing = absent(world, [r for w, r in found if w == world])
+        if missing.count:
             raise CheckpointError(
-                f"{self.location.join(f'model_world_size_{world}_rank_{missing[0]}.pt')}: missing "
-                f"({len(missing)} of {world} rank files absent); the save was incomplete: copy every rank file"
+                f"{self.location.join(f'model_world_size_{world}_rank_{missing.lowest[0]}.pt')}: missing "
+                f"({missing.count} of {world} rank files absent); the save was incomplete: copy every rank file"
             )
         return world, [found[(world, r)] for r in range(world)]
 
@@ -432,8 +436,9 @@ class _MeshCoordinates:
         try:
             return np.asarray(mesh_record.mesh)
         except (AttributeError, TypeError, ValueError, IndexError, MemoryError) as err:
+            reason = f"{type(err).__name__}: {str(err).splitlines()[0]}" if str(err) else type(err).__name__
             raise CheckpointError(
-                f"{self.shown}: tensor {name} has a device mesh that cannot be read ({type(err).__name__}); "
+                f"{self.shown}: tensor {name} has a device mesh that cannot be read ({reason[:200]}); "
                 "the file is damaged or not a verl FSDP rank file: copy it again"
             ) from None
 

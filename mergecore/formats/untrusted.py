@@ -237,6 +237,11 @@ class MeshRecord(Record):
         if "mesh" in self.__dict__:
             return np.asarray(self.__dict__["mesh"])
         rank_map = np.asarray(self._rank_map).reshape(-1)
+        # The layout's sizes are claims; the grid picks distinct ranks of the pickled rank map, so it holds at
+        # most as many: bounded so before any offset is built (`formats.claims`)
+        claimed = math.prod(math.prod(_tuple(axis.shape)) for axis in self._layout.axes)
+        if claimed > rank_map.size:
+            raise ValueError(f"its layout claims {claimed} ranks but its rank map holds {rank_map.size}")
         # Each mesh dimension is a flat layout: its coordinate enumerates the (size, stride) modes
         # lexicographically (a size-1 dimension has no modes) and picks rank_map[sum(coordinate * stride)].
         axes = [_flat_offsets(_tuple(axis.shape), _tuple(axis.stride)) for axis in self._layout.axes]

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from ...errors import CheckpointError
 from ...families.layout import MOE_SHAPES, check_expert_counts, check_shapes, layer_index, shape_rows
 from ..base import TensorInfo
+from ...numbers.claims import absent
 
 __all__ = ["check_layers", "check_moe"]
 
@@ -31,11 +32,12 @@ def check_layers(names: Iterable[str], config: dict, folder, config_file) -> Non
         if layer is not None:
             by_layer.setdefault(layer, set()).add(re.sub(r"layers\.\d+\.", "layers.{}.", name, count=1))
     expected = config.get("num_hidden_layers")
-    if isinstance(expected, int) and set(by_layer) != set(range(expected)):
-        absent = sorted(set(range(expected)) - set(by_layer))
+    # num_hidden_layers is a claim of config.json: compared with the layers present, never enumerated
+    missing = absent(expected, by_layer) if isinstance(expected, int) else None
+    if missing is not None and (missing.count or any(layer >= expected for layer in by_layer)):
         raise CheckpointError(
             f"{folder}: holds {len(by_layer)} decoder layers but num_hidden_layers={expected} in {config_file}"
-            + (f" (layer {absent[0]} missing)" if absent else "")
+            + (f" (layer {missing.lowest[0]} missing)" if missing.lowest else "")
             + "; the checkpoint and config.json are from different models, or a pipeline stage is missing"
         )
     union = set().union(*by_layer.values()) if by_layer else set()

@@ -53,6 +53,7 @@ from ...numbers.arrays import element_size, numpy_dtype
 from ...families.transforms import Transform
 from ..base import CheckpointSource, Piece, TensorInfo
 from .. import torchfile
+from ...numbers.claims import Extent, overclaimed, places
 from ..detect import DIST_METADATA_FILE, dist_ckpt_dir
 from ..fetching import FetchesByGroup
 from .checks import check_layers, check_moe
@@ -104,9 +105,11 @@ def load_dcp_metadata(location: Location):
 
 
 def _check_storage_index(metadata, location: Location) -> None:
-    """Every storage item names a file inside the dist_ckpt folder and a byte range inside that file;
-    every tensor's chunks lie inside it, each within its item's bytes, and hold all its elements.
-    So no declared size exceeds what the data files really hold, and nothing outside the folder is read."""
+    """Every count the metadata claims is bounded by the bytes the dist_ckpt folder really holds, before the reader
+    builds anything from it (`formats.claims`): each storage item names a present data file inside the folder and
+    bytes of its own inside that file; each tensor chunk has its own storage item, lies inside its tensor and fits
+    in its item's bytes; a tensor's chunks hold all its elements, and its shape claims no more places than the data
+    files have bytes (a `[10**12, 0]` stacked key would otherwise make 10**12 layer slices of nothing)."""
     _StorageInfo, MetadataIndex = DCP_RECORDS["_StorageInfo"], DCP_RECORDS["MetadataIndex"]
     TensorStorageMetadata = DCP_RECORDS["TensorStorageMetadata"]
 
@@ -120,37 +123,51 @@ def _check_storage_index(metadata, location: Location) -> None:
             refuse(f"{what} {values} is not a list of non-negative integers")
         return values
 
-    folder, file_sizes = location.parent, {}
+    folder, data_files = location.parent, {}
     items: dict[tuple[str, tuple], _StorageInfo] = {}
+    extents = []
     for index, info in metadata.storage_data.items():
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
             refuse(f"storage index entry {type(index).__name__} -> {type(info).__name__} is not a DCP storage entry")
-        data_file = _data_file(folder, info.relative_path, index.fqn, location)
+        if not isinstance(info.relative_path, str) or info.relative_path not in data_files:  # refused unless a str
+            data_files[info.relative_path] = _data_file(folder, info.relative_path, index.fqn, location)
         offset, length = counts((info.offset, info.length), f"{index.fqn}: byte range")
-        if info.relative_path not in file_sizes:
-            file_sizes[info.relative_path] = data_file.info()["size"] if data_file.exists() else None
-        size = file_sizes[info.relative_path]
-        if size is not None and offset + length > size:
-            refuse(f"{index.fqn} is stored at bytes {offset}+{length} of {info.relative_path}, which has {size}")
+        extents.append(Extent(index.fqn, info.relative_path, offset, length))
         items[(index.fqn, counts(index.offset, f"{index.fqn}: chunk offset"))] = info
+    missing = sorted(path for path, data_file in data_files.items() if not data_file.exists())
+    if missing:  # an absent file holds no bytes: nothing it is said to hold can be bounded, or read
+        raise CheckpointError(f"{data_files[missing[0]]}: missing ({len(missing)} data files missing); the save was "
+                              "incomplete: copy the whole dist_ckpt folder again")
+    file_sizes = {path: data_file.info()["size"] for path, data_file in data_files.items()}
+    overclaim = overclaimed(extents, file_sizes.get)
+    if overclaim:
+        refuse(overclaim)
+    folder_bytes = sum(file_sizes.values())
     for key, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
             continue
         shape = counts(md.size, f"{key}: size")
         itemsize = _itemsize(md.properties.dtype)
-        held = 0
+        held, seen = 0, set()
         for chunk in md.chunks:
             offsets, sizes = counts(chunk.offsets, f"{key}: chunk offset"), counts(chunk.sizes, f"{key}: chunk size")
             if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
                     o + n > s for o, n, s in zip(offsets, sizes, shape)):
                 refuse(f"{key}: chunk {sizes} at {offsets} lies outside its tensor {shape}")
             info = items.get((key, offsets))
-            if info is not None and math.prod(sizes) * itemsize > info.length:
+            if info is None:  # bytes no file is said to hold: nothing bounds them
+                refuse(f"{key}: chunk at {offsets} has no storage entry")
+            if offsets in seen:  # one item's bytes counted twice
+                refuse(f"{key}: two chunks at {offsets} claim one storage item")
+            seen.add(offsets)
+            if math.prod(sizes) * itemsize > info.length:
                 refuse(f"{key}: chunk {sizes} at {offsets} needs {math.prod(sizes) * itemsize} bytes but its storage "
                        f"item holds {info.length}")
             held += math.prod(sizes)
         if math.prod(shape) > held:
             refuse(f"{key}: declares {math.prod(shape)} elements ({shape}) but its chunks hold {held}")
+        if places(shape) > folder_bytes:
+            refuse(f"{key}: shape {shape} claims {places(shape)} places but the data files hold {folder_bytes} bytes")
 
 
 def _data_file(folder: Location, relative, fqn: str, shown: Location) -> Location:
@@ -423,12 +440,7 @@ class MegatronDistCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource):
         for key, md in self._tensor_keys.items():
             for chunk in md.chunks:
                 offsets = tuple(int(o) for o in chunk.offsets)
-                info = paths.get((key, offsets))
-                if info is None:
-                    raise CheckpointError(
-                        f"{self.dist_dir.join(DIST_METADATA_FILE)}: {key} chunk at {offsets} has no storage entry; the "
-                        "metadata is damaged (MetadataIndex missing)"
-                    )
+                info = paths[(key, offsets)]  # every chunk has one: `_check_storage_index`
                 out.setdefault(key, []).append((offsets, tuple(int(x) for x in chunk.sizes), info))
         return out
 
@@ -556,14 +568,6 @@ class MegatronDistCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource):
                 raise CheckpointError(f"{shown}: {s.key} has an odd number of rows, not [gate; up]")
         check_layers(entries, config, self.dist_dir, where)
         check_moe(self.tensors(), config, self.dist_dir, where)
-        self._chunk_files  # noqa: B018 - every model chunk has a storage entry
-        missing = sorted({info.relative_path for chunks in self._chunk_files.values() for _, _, info in chunks
-                          if not self.dist_dir.join(info.relative_path).exists()})
-        if missing:
-            raise CheckpointError(
-                f"{self.dist_dir.join(missing[0])}: missing ({len(missing)} data files missing); the save was "
-                "incomplete: copy the whole dist_ckpt folder again"
-            )
         self.common  # noqa: B018 - common.pt is refused here if it is not a plain checkpoint pickle
         self.tensors()
 

@@ -39,6 +39,7 @@ from ..detect import MP_RANK_DIR
 from ..fetching import FetchesByGroup
 from .. import torchfile
 from ..torchfile import fetch_archive_metadata, member_span
+from ...numbers.claims import absent
 from .checks import check_layers, check_moe
 from .common import MegatronReader
 from ..untrusted import Record, megatron_file
@@ -213,15 +214,14 @@ class MegatronLegacyCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource)
             )
         tp = max(t for t, _ in found) + 1
         pp = max(p for _, p in found) + 1
-        for p in range(pp):
-            for t in range(tp):
-                if (t, p) not in found:
-                    missing = f"mp_rank_{t:02d}" + (f"_{p:03d}" if True in with_pp else "") + (
-                        "_EEE" if self._expert_rank else "")
-                    raise CheckpointError(
-                        f"{self.model_dir.join(missing)}: missing (TP={tp}, PP={pp} needs every mp_rank folder); the "
-                        "save was incomplete: copy every mp_rank_* folder of the checkpoint"
-                    )
+        missing = absent(tp * pp, [p * tp + t for t, p in found])  # the grid the highest folder names claim
+        if missing.count:
+            p, t = divmod(missing.lowest[0], tp)
+            name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if True in with_pp else "") + ("_EEE" if self._expert_rank else "")
+            raise CheckpointError(
+                f"{self.model_dir.join(name)}: missing (TP={tp}, PP={pp} needs every mp_rank folder); the "
+                "save was incomplete: copy every mp_rank_* folder of the checkpoint"
+            )
         for key, name in found.items():
             if not self.model_dir.join(name, MODEL_FILE).exists():
                 raise CheckpointError(
@@ -323,8 +323,10 @@ class MegatronLegacyCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource)
             mapped = [resolve(k, self._table, shown) for k in self.chunks(0, p)[v]]
             local = {m.indices[0] for m in mapped if m.is_layer}
             first = min(local, default=0)
-            if local != set(range(first, first + len(local))):
-                gap = min(set(range(first, max(local) + 1)) - local)
+            # layer numbers are claims of the key names: a gap is looked for among the layers present only
+            missing = absent(len(local), [layer - first for layer in local])
+            if missing.count:
+                gap = first + missing.lowest[0]
                 raise CheckpointError(
                     f"{shown}: has decoder layers {sorted(local)} but no layer {gap}; the file is damaged or from "
                     "another save"
