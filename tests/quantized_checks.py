@@ -79,3 +79,20 @@ def assert_packed_as_compressed_tensors(folder: Path, trained: dict[str, torch.T
         assert ours[f"{module}.weight_shape"].tolist() == packed["weight_shape"].tolist()
         compared += 1
     return compared
+
+
+def load_dequantized(folder: Path):
+    """The quantized `folder` as transformers' own loader builds it (FineGrainedFP8Config / CompressedTensorsConfig,
+    dequantize=True: what any machine without the kernels serves); returns (model, transformers' loading info)."""
+    import json
+
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
+
+    method = json.loads((Path(folder) / "config.json").read_text())["quantization_config"]["quant_method"]
+    loader = FineGrainedFP8Config(dequantize=True) if method == "fp8" else CompressedTensorsConfig(dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=loader, output_loading_info=True)
+
+
+def nonfinite_values(model) -> int:
+    """NaN and Inf values in a loaded model's parameters: what serving it computes with."""
+    return sum(int((~torch.isfinite(p.float())).sum()) for p in model.state_dict().values() if p.is_floating_point())

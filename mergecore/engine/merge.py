@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..numbers.arrays import bitwise_equal
+from ..numbers.budget import chunk_bytes as budget_of
 from ..numbers.budget import parse_size
-from ..numbers.dtypes import resolve_dtype
 from ..errors import CheckpointError
 from ..formats import CheckpointSource, open_checkpoint
 from ..formats.base import read_hf_config
@@ -25,8 +25,9 @@ from ..families.layout import EMBEDDING, OUTPUT, tied_embeddings
 from ..request import LoraSettings, MergeRequest, MergeSource, as_request
 from ..views.lora import fused_lora, lora_view, output_mode, write_adapter_beside
 from ..numbers.nonfinite import check_nonfinite_policy
-from .plan import MergePlan, make_plan
-from ..quantize.schemes import quantize_spec
+from .plan import MergePlan, make_plan, output_dtype
+from ..quantize.schemes import check_ignore_patterns, quantize_spec
+from ..quantize.stream import nonfinite_weights
 from ..storage import publishable_files
 from .writer import TensorWriter
 
@@ -163,16 +164,42 @@ class Planned:
 
 def plan_merge(request: MergeRequest, source: CheckpointSource, validated: dict) -> Planned:
     """Layer groups packed into output files (every header fixed before any data is read), then checked against
-    what the config's model class saves (`families.config_check`)."""
+    what the config's model class saves (`families.config_check`). A quantized merge that publishes NaN/Inf
+    (`--on-nonfinite warn`) first finds the weights holding them, which it keeps unquantized."""
     config, how = validated["config"], request.how
-    plan = make_plan(str(source.location), source.tensors(), resolve_dtype(how.dtype, config), validated["tied"],
-                     parse_size(how.max_shard_size))
+    options = planning_options(how)
+    plan = output_plan(source, config, validated["tied"], options, quantized=False)
     checked = check_config(source, config, plan)  # what the merge writes, per transformers: the unquantized names
-    quantized = quantize_spec(how.quantize, how.quantize_ignore, config.get("model_type"))
-    if quantized:  # the same plan with each selected weight as its quantized parts
-        plan = make_plan(plan.source, source.tensors(), plan.dtype, validated["tied"], parse_size(how.max_shard_size),
-                         quantized)
+    if how.quantize:  # the same plan with each selected weight as its quantized parts
+        scan = budget_of(how.chunk_bytes) if how.on_nonfinite == "warn" else None
+        plan = output_plan(source, config, validated["tied"], options, scan_nonfinite=scan)
     return Planned(plan, checked)
+
+
+def planning_options(how) -> dict:
+    """The settings (`request.MergeSettings`) a plan is made from, as the manifest records them (`prepared_from`)."""
+    return {"dtype": how.dtype, "max_shard_size": how.max_shard_size, "quantize": how.quantize,
+            "quantize_ignore": list(how.quantize_ignore)}
+
+
+def output_plan(source: CheckpointSource, config: dict, tied: bool | dict[str, str], options: dict, *,
+                quantized: bool = True, scan_nonfinite: int | None = None) -> MergePlan:
+    """The plan a merge of `source` with `options` (`planning_options`, or a manifest's: `dtype`, `max_shard_size`,
+    `quantize`, `quantize_ignore`, `quantize_kept_nonfinite`) writes: made here by the merge and again by `verify`,
+    so both read the same decisions. The dtype is resolved once (`plan.output_dtype`: bf16 under --quantize with
+    auto); each --quantize-ignore pattern must match a module of the checkpoint; with `scan_nonfinite` (a read
+    budget) the selected weights holding NaN/Inf are found and kept unquantized (`stream.nonfinite_weights`).
+    `quantized=False`: the same files with every weight unquantized (what the config check compares)."""
+    quantize = options.get("quantize")
+    spec = quantize_spec(quantize, tuple(options.get("quantize_ignore") or ()), config.get("model_type"),
+                         tuple(options.get("quantize_kept_nonfinite") or ())) if quantized else None
+    if spec:
+        check_ignore_patterns(spec, source.tensors(), source.location)  # before the scan: a typo costs no read
+        if scan_nonfinite is not None:
+            spec = {**spec, "kept_nonfinite": sorted(nonfinite_weights(source, spec, scan_nonfinite))}
+    dtype = output_dtype(str(options.get("dtype") or "auto"), config, quantize)
+    shard_size = parse_size(options.get("max_shard_size") or "5GB")
+    return make_plan(str(source.location), source.tensors(), dtype, tied, shard_size, spec)
 
 
 def prepared_from(request: MergeRequest, source: CheckpointSource, validated: dict, planned: Planned) -> Prepared:
@@ -184,7 +211,8 @@ def prepared_from(request: MergeRequest, source: CheckpointSource, validated: di
                "dtype": how.dtype, "max_shard_size": how.max_shard_size,
                "tie_word_embedding": how.tie_word_embedding, "check_replicas": how.check_replicas}
     if how.quantize:
-        options.update(quantize=how.quantize, quantize_ignore=list(how.quantize_ignore))
+        kept = planned.plan.quantization.get("kept_nonfinite") or []  # found by the plan's scan: verify plans alike
+        options.update(quantize=how.quantize, quantize_ignore=list(how.quantize_ignore), quantize_kept_nonfinite=kept)
     fused = fused_lora(source)
     if fused is not None:
         options["lora"] = what.lora.overrides(fused.output)
@@ -236,8 +264,6 @@ def merge_group(
     (default `CKPTFLOW_CHUNK_BYTES`, 64 MiB; 0: whole tensors), so at most `workers` blocks at a time.
     Returns a small receipt.
     """
-    from ..numbers.budget import chunk_bytes as budget_of
-
     started = time.perf_counter()
     check_nonfinite_policy(on_nonfinite)
     budget = budget_of(chunk_bytes)

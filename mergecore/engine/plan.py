@@ -11,12 +11,30 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from ..numbers.arrays import FLOATING, element_size, safetensors_dtype
+from ..numbers.dtypes import resolve_dtype
 
 from ..formats.base import TensorInfo
 from ..families.layout import EMBEDDING, OUTPUT, group_of
-from ..quantize.schemes import module_of, outputs, quantization_config
+from ..quantize.schemes import check_quantizes_something, module_of, outputs, quantization_config
 
 INDEX_FILE = "model.safetensors.index.json"
+# What a quantized model's unquantized tensors (embeddings, head, norms, biases, int scales) are written in under
+# `--dtype auto`: what FP8/INT4 releases ship and loaders expect, half a float32 checkpoint's bytes.
+QUANTIZED_AUTO_DTYPE = "bfloat16"
+
+
+def output_dtype(requested: str, config: dict, quantize: str | None = None) -> str | None:
+    """The dtype the plan writes floating tensors in (None: each keeps its own), decided here once; the writers and
+    `verify` read it from the plan. `auto` is config.json's dtype, or bf16 under `--quantize`; a dtype given decides.
+
+    >>> output_dtype("auto", {"torch_dtype": "float32"}), output_dtype("auto", {"torch_dtype": "float32"}, "w4a16")
+    ('float32', 'bfloat16')
+    >>> output_dtype("fp32", {}, "w4a16")
+    'float32'
+    """
+    if quantize and str(requested).lower() == "auto":
+        return QUANTIZED_AUTO_DTYPE
+    return resolve_dtype(requested, config)
 
 
 @dataclass(frozen=True)
@@ -118,7 +136,7 @@ def make_plan(
         tensors=planned,
         files=list(names.values()),
         aliases=aliases,
-        quantization=_quantization(quantize, planned, dtype),
+        quantization=_quantization(quantize, planned, dtype, source),
     )
 
 
@@ -129,12 +147,14 @@ def _numel(shape) -> int:
     return count
 
 
-def _quantization(spec: dict | None, planned: list[PlannedTensor], dtype) -> dict | None:
-    """The plan's quantization record: the spec, what was quantized, what was not, and config.json's entry."""
+def _quantization(spec: dict | None, planned: list[PlannedTensor], dtype, source: str) -> dict | None:
+    """The plan's quantization record: the spec, what was quantized, what was not, and config.json's entry (a plan
+    quantizing nothing is refused: `check_quantizes_something`)."""
     if spec is None:
         return None
 
     quantized = sorted({t.source_name for t in planned if t.part})
+    check_quantizes_something(spec, len(quantized), source)
     kept = [module_of(t.name) for t in planned if not t.part and len(t.shape) >= 2 and t.name.endswith(".weight")]
     if "lm_head" not in kept:
         kept.append("lm_head")  # a tied head is not written, but is a Linear the loader must leave alone

@@ -84,7 +84,7 @@ def check_stored_file(source: CheckpointSource, plan: MergePlan, file: str, loca
     if set(weights.keys()) != names:
         raise VerificationError(f"{location}: holds {sorted(set(weights.keys()) ^ names)[:3]} beside or instead "
                                 "of the planned tensors; merge again")
-    return round_trip_of(source, weights.get_tensor, names, plan.aliases, plan, location)
+    return round_trip_of(source, weights.get_tensor, names, plan.aliases, plan, location.parent)
 
 
 def _stream(source, plan, file, planned, out, sent, on_nonfinite, budget, on_tensor) -> tuple[int, dict]:
@@ -124,7 +124,7 @@ def _entry_bytes(source, plan, entry, budget, on_nonfinite: str, found: dict, he
         return
     if entry.part != scheme_of(plan.quantization).primary:
         raise AssertionError(f"{entry.name}: planned before its weight's {scheme_of(plan.quantization).primary}")
-    for part, _, block in quantized_blocks(source, plan, entry, budget, on_nonfinite, found):
+    for part, _, block in quantized_blocks(source, plan, entry, budget, on_nonfinite):
         if part.name == entry.name:
             yield tensor_bytes(block)
         else:

@@ -173,7 +173,7 @@ class TensorWriter:
         if entry.part is None:
             blocks = ((entry, start, block) for start, block in checked_blocks(source, entry, budget, on_nonfinite, found))
         else:
-            blocks = quantized_blocks(source, self._plan, entry, budget, on_nonfinite, found)
+            blocks = quantized_blocks(source, self._plan, entry, budget, on_nonfinite)  # never NaN/Inf: none to count
         for planned, start, block in blocks:
             self.write_rows(planned, start, block)
             del block  # the next block is read while this one would otherwise still be held

@@ -1,5 +1,7 @@
 """What to do about NaN/Inf in converted weights (found by `arrays.nonfinite_counts` while merging):
-`fail` refuses the merge, `warn` publishes and lists each tensor with its counts in its group's receipt.
+`fail` refuses the merge, `warn` publishes and lists each tensor with its counts in its group's receipt. (A
+quantized merge defaults to `fail`, and with `warn` publishes such weights unquantized: `mergecore.request`,
+`quantize.stream`.)
 
 >>> describe_counts({"nan": 1, "+inf": 2, "-inf": 0})
 '1 NaN, 2 +Inf'
@@ -18,14 +20,16 @@ def check_nonfinite_policy(on_nonfinite: str) -> None:
         raise CheckpointError(f"--on-nonfinite {on_nonfinite!r}: choose one of {', '.join(NONFINITE_POLICIES)}")
 
 
-def nonfinite_error(found: dict[str, dict[str, int]], source) -> CheckpointError:
-    """The one-line refusal of non-finite weights: the first tensor, its counts, where it came from, the fix."""
+PUBLISH_ANYWAY = ("training may have diverged (or values overflow the output dtype): pick an earlier checkpoint, "
+                  "or pass --on-nonfinite warn to publish anyway")
+
+
+def nonfinite_error(found: dict[str, dict[str, int]], source, fix: str = PUBLISH_ANYWAY) -> CheckpointError:
+    """The one-line refusal of non-finite weights: the first tensor, its counts, where it came from, the fix (a
+    quantized weight's is its own: `quantize.stream.QUANTIZED_NONFINITE_FIX`)."""
     name, counts = next(iter(found.items()))
     more = f" (and {len(found) - 1} more tensors)" if len(found) > 1 else ""
-    return CheckpointError(
-        f"{name} in {source}: {describe_counts(counts)} after conversion{more}; training may have diverged "
-        "(or values overflow the output dtype): pick an earlier checkpoint, or pass --on-nonfinite warn to publish anyway"
-    )
+    return CheckpointError(f"{name} in {source}: {describe_counts(counts)} after conversion{more}; {fix}")
 
 
 def describe_counts(counts: dict[str, int]) -> str:

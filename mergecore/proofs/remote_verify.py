@@ -139,5 +139,5 @@ def _verify_weight_file(location: Location, entry: dict, names: set[str] | None,
                               "the folder was changed after it was written: merge again")
     if expected is not None and held != expected:
         raise tensors_differ(location.parent, held, expected)
-    return round_trip_of(source, weights.get_tensor, held, aliases, plan, location, workers)
+    return round_trip_of(source, weights.get_tensor, held, aliases, plan, location.parent, workers, published=True)
 

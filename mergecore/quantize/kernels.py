@@ -10,6 +10,7 @@ pass in place on scratch arrays allocated once per band, so a pass's arrays stay
 pays for fresh pages. fp8 rounds in the float adder (`_fp8_codes_into`). A sub-band holding NaN/Inf (or, for fp8,
 a block so small that its scale is subnormal) takes the plain arithmetic (`_fp8_codes_reference`, the int
 reference), which gives the same bytes for every finite value: tests compare both with torch and compressed-tensors.
+(A merge never hands them NaN/Inf: `stream.quantized_blocks` refuses such rows first, since no scale carries them.)
 
 >>> codes = fp8_codes(np.array([448.0, 1.0, -0.0, 2.0 ** -9, 3.0 * 2.0 ** -10], np.float32))
 >>> [hex(c) for c in codes], fp8_values(codes).tolist()

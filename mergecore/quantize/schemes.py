@@ -3,7 +3,9 @@
 Quantized: 2-D Linear weights of decoder layers (`...layers.N....weight`), experts included. Unquantized (kept
 in the merge dtype): embeddings, `lm_head`, norms, biases, MoE routers and gates, vision towers and projectors
 (`DEFAULT_IGNORE`, plus `FAMILY_IGNORE[model_type]`), and whatever `--quantize-ignore PATTERN` names (an
-fnmatch pattern on the module name, the tensor name without `.weight`).
+fnmatch pattern on the module name, the tensor name without `.weight`), and weights holding NaN/Inf when the merge
+publishes those (`--on-nonfinite warn`: `kept_nonfinite`), since a quantized weight cannot carry them: its block or
+group scale would spread one bad value over its neighbours.
 
 >>> spec = quantize_spec("w4a16", ("*.down_proj",))
 >>> [(p.name, p.shape, p.dtype) for p in outputs("model.layers.0.mlp.up_proj.weight", (256, 128), "bfloat16", spec)]
@@ -60,19 +62,66 @@ class PlannedPart:
     part: str | None     # None: the tensor itself, unquantized
 
 
-def quantize_spec(scheme: str | None, ignore: tuple[str, ...] = (), model_type: str | None = None) -> dict | None:
-    """The plan's record of a quantized export (plain data), or None without a scheme; an unknown scheme is one line.
+def quantize_spec(scheme: str | None, ignore: tuple[str, ...] = (), model_type: str | None = None,
+                  kept_nonfinite: tuple[str, ...] = ()) -> dict | None:
+    """The plan's record of a quantized export (plain data), or None without a scheme; an unknown scheme, a pattern
+    that is no pattern and patterns without a scheme are one line each. `kept_nonfinite`: the modules whose weights
+    hold NaN/Inf, kept unquantized (`stream.nonfinite_weights`).
 
     >>> quantize_spec("int3")
     Traceback (most recent call last):
     mergecore.errors.CheckpointError: unknown --quantize 'int3': use fp8-block, w8a16 or w4a16
+    >>> quantize_spec(None, ("*.layers.0.*",))
+    Traceback (most recent call last):
+    mergecore.errors.CheckpointError: --quantize-ignore '*.layers.0.*' given without --quantize: add --quantize fp8-block, w8a16 or w4a16, or drop it
     """
     if scheme is None:
+        if ignore:  # silently merging unquantized would hide that the patterns were never used
+            raise CheckpointError(f"--quantize-ignore {ignore[0]!r} given without --quantize: add --quantize "
+                                  "fp8-block, w8a16 or w4a16, or drop it")
         return None
     if scheme not in SCHEMES:
         raise CheckpointError(f"unknown --quantize {scheme!r}: use fp8-block, w8a16 or w4a16")
+    for pattern in ignore:
+        if not isinstance(pattern, str) or not pattern.strip():
+            raise CheckpointError(f"--quantize-ignore {pattern!r}: give a module name pattern such as '*.layers.0.*'")
     patterns = (*DEFAULT_IGNORE, *FAMILY_IGNORE.get(model_type or "", ()), *ignore)
-    return {"scheme": scheme, "ignore": list(patterns), "user_ignore": list(ignore)}
+    return {"scheme": scheme, "ignore": list(patterns), "user_ignore": list(ignore),
+            "kept_nonfinite": sorted(kept_nonfinite)}
+
+
+def check_ignore_patterns(spec: dict, names, where) -> None:
+    """Refuse a `--quantize-ignore` pattern that matches no module of the checkpoint (tensor `names`, at `where`): a
+    typo (`*.layer.0.*`) would otherwise keep nothing unquantized and say nothing. Only the plan knows the names, so
+    this runs when it is made, before anything is read or written.
+
+    >>> check_ignore_patterns(quantize_spec("w4a16", ("*.layer.0.*",)), ["model.layers.0.mlp.up_proj.weight"], "ckpt")
+    Traceback (most recent call last):
+    mergecore.errors.CheckpointError: --quantize-ignore '*.layer.0.*' matches no module of ckpt (its modules look like 'model.layers.0.mlp.up_proj'); fix the pattern
+    """
+    names = list(names)
+    modules = {name.rpartition(".")[0] or name for name in names}
+    for pattern in spec["user_ignore"]:
+        if not any(fnmatch.fnmatchcase(module, pattern) for module in modules):
+            example = next((module_of(n) for n in names if _DECODER_WEIGHT.search(n)), min(modules, default=""))
+            raise CheckpointError(f"--quantize-ignore {pattern!r} matches no module of {where} (its modules look like "
+                                  f"{example!r}); fix the pattern")
+
+
+def check_quantizes_something(spec: dict, quantized: int, where) -> None:
+    """Refuse a plan that quantizes no weight: its config would call plain weights quantized (and loaders would
+    look for scales that are not there)."""
+    if quantized:
+        return
+    scheme = spec["scheme"]
+    if spec["user_ignore"]:
+        patterns = ", ".join(repr(p) for p in spec["user_ignore"])
+        raise CheckpointError(f"--quantize-ignore {patterns} leaves no weight of {where} to quantize with --quantize "
+                              f"{scheme}: narrow the pattern, or drop --quantize to merge unquantized")
+    why = "every one it could quantize holds NaN/Inf" if spec.get("kept_nonfinite") else \
+        "it has no decoder Linear weight"
+    raise CheckpointError(f"{where}: --quantize {scheme} would quantize no weight ({why}); drop --quantize to merge "
+                          "unquantized")
 
 
 def scheme_of(spec: dict) -> Scheme:
@@ -88,6 +137,8 @@ def selected(name: str, shape: tuple[int, ...], spec: dict) -> bool:
     if not _DECODER_WEIGHT.search(name) or len(shape) < 2:
         return False
     module = module_of(name)
+    if module in spec.get("kept_nonfinite", ()):
+        return False
     return not any(fnmatch.fnmatchcase(module, pattern) for pattern in spec["ignore"])
 
 

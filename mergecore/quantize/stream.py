@@ -13,10 +13,16 @@ import sys
 
 import numpy as np
 
+from ..errors import CheckpointError
 from ..numbers.arrays import nonfinite_counts
-from ..numbers.nonfinite import add_counts, nonfinite_error
+from ..numbers.nonfinite import add_counts, describe_counts, nonfinite_error
 from .kernels import BLOCK, fp8_block_quantize, int_group_quantize
-from .schemes import scheme_of
+from .schemes import module_of, scheme_of, selected
+
+# Why a weight holding NaN/Inf is never quantized, and what to do instead (`--on-nonfinite warn` plans it unquantized).
+QUANTIZED_NONFINITE_FIX = ("a quantized weight cannot hold them (its block or group scale would spread them): pick an "
+                           "earlier checkpoint, or pass --on-nonfinite warn to publish such weights unquantized "
+                           "(listed in the config's ignore list)")
 
 # float32 copy of the rows and what it becomes (the kernels' own scratch is per sub-band, a few MiB: see
 # kernels._SUB_ELEMENTS); kept at 3 copies, which leaves room to spare in the budget
@@ -59,9 +65,29 @@ def source_bands(source, name: str, budget: int | None):
         yield low, (whole[low:high] if whole is not None else source.read_rows(name, low, high, "float32"))
 
 
-def quantized_blocks(source, plan, entry, budget: int | None, on_nonfinite: str, found: dict):
+def nonfinite_weights(source, spec: dict, budget: int | None) -> dict[str, dict[str, int]]:
+    """{module: NaN/Inf counts} of the 2-D weights `spec` selects that hold any, read as quantizing reads them (float32
+    bands). The merge that publishes such values (`--on-nonfinite warn`) plans these weights unquantized, so it must
+    know them before any header is fixed: one read of the selected weights, paid only with warn."""
+    found = {}
+    for name, info in source.tensors().items():
+        if len(info.shape) != 2 or not selected(name, info.shape, spec):
+            continue  # other shapes are refused when the plan is made (`schemes.check_shape`)
+        counts = None
+        for _, rows in source_bands(source, name, budget):
+            counts = add_counts(counts, nonfinite_counts(rows))
+        if counts:
+            found[module_of(name)] = counts
+    return found
+
+
+def quantized_blocks(source, plan, entry, budget: int | None, on_nonfinite: str):
     """`(planned part, first row, block)` for every part of the quantized weight whose primary part is `entry`
-    (nothing for its other parts: they come with the primary). NaN/Inf in the source rows follow `on_nonfinite`."""
+    (nothing for its other parts: they come with the primary).
+
+    A weight planned quantized never publishes NaN/Inf: rows holding any are refused whatever `on_nonfinite` says
+    (with warn, the plan already keeps such weights unquantized, so finding one here means the checkpoint changed
+    since), and so is a scale the scale dtype cannot hold (fp16 scales of values above ~4.9e5)."""
 
     spec = plan.quantization
     if entry.part != scheme_of(spec).primary:
@@ -72,9 +98,14 @@ def quantized_blocks(source, plan, entry, budget: int | None, on_nonfinite: str,
         yield parts["weight_shape"], 0, np.array(source.tensors()[entry.source_name].shape, np.int64)
     for low, rows in source_bands(source, entry.source_name, budget):
         counts = nonfinite_counts(rows)
-        if counts and on_nonfinite == "fail":
-            raise nonfinite_error({entry.source_name: counts}, source.location)
         if counts:
-            found[entry.name] = add_counts(found.get(entry.name), counts)
+            fix = QUANTIZED_NONFINITE_FIX if on_nonfinite == "fail" else \
+                "it held none when the merge was planned, so the checkpoint changed during the merge: merge again"
+            raise nonfinite_error({entry.source_name: counts}, source.location, fix)
         for part, block in quantize_rows(spec, np.ascontiguousarray(rows, np.float32), scale_dtype).items():
+            if part != scheme_of(spec).primary and nonfinite_counts(block):
+                raise CheckpointError(
+                    f"{entry.source_name} in {source.location}: its {part} overflow {scale_dtype} "
+                    f"({describe_counts(nonfinite_counts(block))}): merge with --dtype bf16, or keep it unquantized "
+                    f"with --quantize-ignore '{module_of(entry.source_name)}'")
             yield parts[part], low // BLOCK if part == "weight_scale_inv" else low, block

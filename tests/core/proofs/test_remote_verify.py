@@ -117,3 +117,38 @@ def test_a_weight_object_changed_after_publishing_fails_naming_it(sharded_model,
     error = result.stderr.strip().splitlines()
     assert len(error) == 1 and f"s3://{tampered}: differs from {MANIFEST}" in error[0], error
     assert fetched[first] == weights[first] and not any(fetched[key] for key in later)  # it stops there
+
+
+def test_a_quantized_object_edited_with_its_hash_updated_changed_after_the_merge(s3_env, demo, cli, tmp_path):
+    """A packed word of a w4a16 model on object storage edited, and the manifest's sha256 for it updated: `verify`
+    re-quantizes from the rank files and says the object changed after the merge, naming it, exit 3 (was: "the
+    merge is wrong ... please report this")."""
+    import hashlib
+
+    from mergecore import merge_checkpoint
+
+    ckpt = demo("quant-dense-tied")
+    if not s3_env.exists("rv-models"):
+        s3_env.mkdir("rv-models")
+    url = f"s3://rv-models/{tmp_path.name}-w4"
+    merge_checkpoint(str(ckpt.role_dir), url, quantize="w4a16")
+    s3_env.invalidate_cache()
+    root = url.removeprefix("s3://")
+    tensor = "model.layers.1.mlp.down_proj.weight_packed"
+    file = json.loads(s3_env.cat_file(f"{root}/model.safetensors.index.json"))["weight_map"][tensor]
+    data = bytearray(s3_env.cat_file(f"{root}/{file}"))
+    header = int.from_bytes(data[:8], "little")
+    begin, end = json.loads(data[8:8 + header])[tensor]["data_offsets"]
+    data[8 + header + (begin + end) // 2] ^= 0x10
+    s3_env.pipe_file(f"{root}/{file}", bytes(data))
+    manifest = json.loads(s3_env.cat_file(f"{root}/{MANIFEST}"))
+    manifest["files"][file].update(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    s3_env.pipe_file(f"{root}/{MANIFEST}", json.dumps(manifest).encode())
+    s3_env.invalidate_cache()
+
+    result = cli("verify", url, "--source", ckpt.role_dir)
+
+    assert result.exit_code == 3, result.output
+    error = result.stderr.strip().splitlines()
+    assert len(error) == 1 and f"{url}/{file}: model.layers.1.mlp.down_proj.weight's weight_packed" in error[0], error
+    assert "the file changed after the merge" in error[0] and "report" not in error[0]

@@ -126,3 +126,35 @@ def test_a_source_passed_by_the_user_is_used(cli, merged, demo, tmp_path):
     result = cli("verify", merged, "--source", moved)
     assert result.exit_code == 0, result.output
     assert "round-trip" in result.stdout and "copied files" in result.stdout
+
+
+def flip_bit_in(folder: Path, tensor: str) -> str:
+    """Flip one bit inside output tensor `tensor` (located by safetensors' own header); returns its file's name."""
+    from safetensors import safe_open
+
+    file = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][tensor]
+    data = bytearray((folder / file).read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    begin, end = json.loads(data[8:8 + header])[tensor]["data_offsets"]
+    data[8 + header + begin + (end - begin) // 2] ^= 0x10
+    (folder / file).write_bytes(bytes(data))
+    with safe_open(folder / file, "pt") as weights:  # still a valid file: only a value changed
+        assert tensor in weights.keys()
+    return file
+
+
+def test_an_edited_quantized_weight_with_its_hash_updated_changed_after_the_merge(cli, demo, tmp_path):
+    """A packed word of a published w4a16 folder edited and its hash updated: `verify` re-quantizes from the rank
+    files and says the file changed after the merge, naming it, exit 3 (was: "the merge is wrong ... please report
+    this", as if the merge, which proved the folder before publishing it, had written it)."""
+    out = tmp_path / "out"
+    result = cli("merge", "--local_dir", demo("quant-dense-tied").role_dir, "--target_dir", out, "--quantize", "w4a16")
+    assert result.exit_code == 0, result.output
+    file = flip_bit_in(out, "model.layers.1.mlp.down_proj.weight_packed")
+    rehash(out, file)
+    assert cli("verify", out, "--skip-source").exit_code == 0  # the hashes alone cannot tell
+    result = cli("verify", out)
+    assert result.exit_code == 3, result.output
+    message = one_line(result)
+    assert f"{out / file}: model.layers.1.mlp.down_proj.weight's weight_packed" in message
+    assert "the file changed after the merge" in message and "report" not in message
