@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import socket
 import struct
+import threading
+import time
 import zipfile
 from collections import defaultdict
 from contextlib import contextmanager
@@ -126,3 +128,31 @@ def torch_threads(count: int):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+class Looking:
+    """A thread calling `look()` every `every_s` seconds while a `with` block runs: a reader polling a target
+    while a merge writes it. Subclasses say what one look checks (and record what they find)."""
+
+    every_s = 0.001
+
+    def __init__(self):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def look(self) -> None:
+        raise NotImplementedError
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.look()
+            time.sleep(self.every_s)
+

@@ -2,18 +2,25 @@
 
 Object stores have no rename, so a folder cannot appear at once. The rule instead (docs/remote_targets.md):
 **a folder is a model only while it holds `ckptflow_manifest.json`, and only the files the manifest lists,
-with the sizes and sha256 it records, are that model.** A merge into a remote target therefore
+with the sizes and sha256 it records, are that model.** And, so that a rerun can tell a killed run's leftovers
+from anyone else's files: **every object a run writes at the target is named in its marker,
+`.ckptflow-staging.json`, before it is written.** A merge into a remote target therefore
 
-1. stages (`stage`): deletes the target's old manifest, so from here on readers see no model, never a mix;
-   weight files finished by an interrupted run of this very merge are kept (their records, under
-   `.ckptflow-staging/`, match the merge and the stored objects);
+1. stages (`stage`): writes the run's marker first (the run, the merge, the planned weight files and what the
+   target held that `check` let it replace), then deletes the target's old manifest, so from here on readers see
+   no model, never a mix; weight files finished by an interrupted run of this very merge are kept (their records,
+   under `.ckptflow-staging/`, match the merge and the stored objects: the very object proven, by size, ETag and
+   time, so a partial or rewritten object is written again);
 2. streams each remaining weight file to its final name, reads it back and proves it against the shards
    (`write_unit`, see `remote_writer`; any machine can write any file, so a cluster writes them in parallel)
    and records it;
-3. finishes (`finalize`): uploads the index, config, copied files and card, removes objects an earlier model
-   had and the staging records, and writes the manifest last: that PUT publishes the model.
+3. finishes (`finalize`): names the index, config, copied files and card in the marker, uploads them, removes
+   objects an earlier model had, and writes the manifest last: that PUT publishes the model. The records and the
+   marker go after it.
 
-A crash before the manifest leaves no model, and the next merge resumes from the recorded files. The lock is an
+A crash before the manifest leaves no model, only objects the marker names: the next merge (`unfinished`) resumes
+from the recorded files or, for another merge, replaces them, `--overwrite` or not. Objects the marker does not
+name are someone else's and are never replaced. The lock is an
 flock in a local state folder named after the URL: it keeps out writers on this machine only (object stores
 offer no lock that ends with its holder).
 
@@ -24,8 +31,11 @@ offer no lock that ends with its holder).
 from __future__ import annotations
 
 import json
+import os
 import posixpath
+import socket
 import tempfile
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +47,13 @@ from .base import Target
 from .lock import target_lock
 
 STAGING_RECORDS = ".ckptflow-staging"  # under a remote target: one record per finished file, gone once published
+RUN_MARKER = ".ckptflow-staging.json"  # a run's marker at the target: written first, gone once published
+MARKER_FORMAT = "ckptflow-remote-staging/1"
+
+
+def _bookkeeping(name: str) -> bool:
+    """Whether `name` (relative to the target) is one of a run's own staging objects: its marker, a file's record."""
+    return name == RUN_MARKER or name.startswith(STAGING_RECORDS + "/")
 
 
 def local_state_folder(target: str | Location) -> Path:
@@ -74,7 +91,68 @@ class RemoteTarget(Target):
         return sorted(posixpath.relpath(path, root) for path in fs.find(root))
 
     def unfinished(self, entries: list[str]) -> bool:
-        return MANIFEST_FILE not in entries and any(e.startswith(STAGING_RECORDS + "/") for e in entries)
+        """Whether `entries` are an unfinished merge of ckptflow's and nothing else: no manifest, a run's marker,
+        and only objects it names (and the records). A file beside it that the marker does not name is someone
+        else's (publishing would delete it): refused by name, `--overwrite` or not."""
+        if MANIFEST_FILE in entries or RUN_MARKER not in entries:
+            return False
+        marker = self._marker()
+        if marker is None:  # listed, gone since: its run published or staged again (it held the lock, which
+            return True     # orders this run after it; `stage` looks again under the lock)
+        foreign = sorted(e for e in entries if not _bookkeeping(e) and e not in marker["claimed"])
+        if foreign:
+            more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+            raise CheckpointError(
+                f"{self.url}: holds {', '.join(foreign[:3])}{more} beside an unfinished ckptflow merge, which did not "
+                f"write them (its {RUN_MARKER} does not name them); ckptflow replaces only its own files: move them "
+                "away or choose another --target_dir")
+        return True
+
+    def _marker(self) -> dict | None:
+        """The run's marker at the target, or None when there is none. An object at its name that is not a marker
+        ckptflow wrote is refused: nothing there can be told apart from someone else's files."""
+        fs, root = self._fs_root
+        try:
+            marker = json.loads(fs.cat_file(posixpath.join(root, RUN_MARKER)))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            marker = None
+        if not (isinstance(marker, dict) and marker.get("format") == MARKER_FORMAT
+                and isinstance(marker.get("claimed"), list)):
+            raise CheckpointError(f"{self.location.join(RUN_MARKER)}: is not a staging marker ckptflow wrote, so the "
+                                  "files beside it cannot be told from someone else's; remove it (and what it "
+                                  "stands for), or choose another --target_dir")
+        return marker
+
+    def _claimed(self, names: list[str], staged: dict) -> dict:
+        """The marker of the run that staged `staged` (same merge; same run when `staged` says which), naming
+        `names` too: added, before they are written, when missing. Refused when the marker is gone or another's:
+        another run took the target over, or published, since this one staged, and nothing more is written."""
+        marker = self._marker()
+        if marker is None or marker.get("weights_id") != staged["weights_id"] or \
+                staged.get("run", marker.get("run")) != marker.get("run"):
+            raise CheckpointError(f"{self.url}: its {RUN_MARKER} is gone or another run's since this merge staged "
+                                  "(another ckptflow run took the target over or published it); nothing more was "
+                                  "written: merge again")
+        missing = sorted(set(names) - set(marker["claimed"]))
+        if missing:
+            marker = {**marker, "claimed": sorted({*marker["claimed"], *missing})}
+            self._write_marker(marker)
+        return marker
+
+    def _write_marker(self, marker: dict) -> None:
+        fs, root = self._fs_root
+        fs.pipe_file(posixpath.join(root, RUN_MARKER), json.dumps(marker, indent=1).encode())
+
+    def repair(self) -> None:
+        """Remove the marker and records a crash left beside a published model (after its manifest was written, or
+        before the old one was deleted): the model stands, and the prefix holds nothing but it."""
+        entries = self.entries() or []
+        if MANIFEST_FILE in entries:
+            fs, root = self._fs_root
+            for name in sorted(filter(_bookkeeping, entries)):
+                fs.rm_file(posixpath.join(root, name))
 
     def manifest(self) -> dict | None:
         """The target's manifest, or None when it holds no published model."""
@@ -89,17 +167,25 @@ class RemoteTarget(Target):
                 "weights_id": weights_id(prepared.source, prepared.plan)}
 
     def _stage(self, prepared, room: int) -> dict:
-        """Its old manifest is deleted (readers see no model from here on) and `created` lists the weight files to
-        write: all but those an interrupted run of this merge finished (their receipts are in `kept`)."""
+        """The run's marker is written first, naming the planned weight files and everything the target holds now
+        (`check` let this run replace it: a model ckptflow published, with overwrite, or an earlier run's leftovers,
+        which that run's marker named). Then its old manifest is deleted (readers see no model from here on), and
+        `created` lists the weight files to write: all but those an interrupted run of this merge finished (their
+        receipts are in `kept`). `run` says which run staged: only it publishes."""
         from ..engine.fingerprints import weights_id
 
-        merge_id = weights_id(prepared.source, prepared.plan)
+        merge_id, plan = weights_id(prepared.source, prepared.plan), prepared.plan
         fs, root = self._fs_root
-        if self.location.join(MANIFEST_FILE).exists():
+        entries = self.entries() or []
+        run = uuid.uuid4().hex
+        self._write_marker({"format": MARKER_FORMAT, "run": run, "weights_id": merge_id, "host": socket.gethostname(),
+                            "pid": os.getpid(), "planned": {file: plan.file_size(file) for file in plan.files},
+                            "claimed": sorted({*(e for e in entries if not _bookkeeping(e)), *plan.files})})
+        if MANIFEST_FILE in entries:
             fs.rm_file(posixpath.join(root, MANIFEST_FILE))  # the old model stops being one before any file changes
-        kept = self._finished_files(prepared.plan.files, merge_id)
-        return {"staging": self.url, "created": [f for f in prepared.plan.files if f not in kept], "kept": kept,
-                "published": False, "weights_id": merge_id}
+        kept = self._finished_files(plan.files, merge_id)
+        return {"staging": self.url, "created": [f for f in plan.files if f not in kept], "kept": kept,
+                "published": False, "weights_id": merge_id, "run": run}
 
     def discard(self) -> None:
         """Nothing to remove: files written so far stay recorded, so the next run of this merge resumes."""
@@ -127,6 +213,7 @@ class RemoteTarget(Target):
         """Write, check and record one weight file of `prepared`'s plan (see `remote_writer`)."""
         from ..engine.remote_writer import write_remote_file
 
+        self._claimed([file], staged)  # named by this merge's marker (at staging) before its object is written
         receipt = write_remote_file(prepared.source, prepared.plan, file, self.location, on_nonfinite=on_nonfinite,
                                     chunk_bytes=chunk_bytes, verify=verify, on_tensor=on_tensor)
         fs, root = self._fs_root
@@ -184,7 +271,7 @@ class RemoteTarget(Target):
                                      stored=stored, checks=checks)
             for file in plan.files:
                 (folder / file).unlink(missing_ok=True)
-            self._upload_manifest_last(folder, keep=set(plan.files))
+            self._upload_manifest_last(folder, keep=set(plan.files), staged=staged)
         return manifest
 
     def refresh(self, prepared, *, verify: bool = True, workers: int = 2, checks=None) -> dict:
@@ -194,21 +281,28 @@ class RemoteTarget(Target):
             raise CheckpointError(f"{self.url}: does not hold this checkpoint's merge; rerun with overwrite to rebuild it")
         return {**manifest, "reused": True}
 
-    def _upload_manifest_last(self, folder: Path, keep: set[str]) -> None:
-        """Upload `folder`'s files, remove every other object but `keep` (an earlier model's), the manifest last,
-        then the staging records (kept until then: a crash before the manifest resumes with them)."""
+    def _upload_manifest_last(self, folder: Path, keep: set[str], staged: dict) -> None:
+        """Name `folder`'s files in the run's marker, upload them, remove every other object the marker names but
+        `keep` (an earlier model's, an earlier run's), the manifest last, then the records and the marker (kept
+        until then: a crash before the manifest resumes with them). An object the marker does not name (put there
+        by someone during the merge) is never removed: nothing is published then."""
         fs, root = self._fs_root
         local = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+        marker = self._claimed(local, staged)
         for name in local:
             if name != MANIFEST_FILE:
                 fs.put_file(str(folder / name), posixpath.join(root, name))
-        leftovers = set(self.entries() or []) - set(local) - keep
-        records = {name for name in leftovers if name.startswith(STAGING_RECORDS + "/")}
-        for stale in sorted(leftovers - records):
+        entries = self.entries() or []
+        leftovers = {name for name in entries if not _bookkeeping(name)} - set(local) - keep
+        foreign = sorted(leftovers - set(marker["claimed"]))
+        if foreign:
+            raise CheckpointError(f"{self.url}: {', '.join(foreign[:3])} appeared during the merge and is not "
+                                  "ckptflow's; nothing was published: move it away, then merge again")
+        for stale in sorted(leftovers):
             fs.rm_file(posixpath.join(root, stale))
         fs.put_file(str(folder / MANIFEST_FILE), posixpath.join(root, MANIFEST_FILE))
-        for record in sorted(records):
-            fs.rm_file(posixpath.join(root, record))
+        for name in sorted(name for name in entries if name.startswith(STAGING_RECORDS + "/")) + [RUN_MARKER]:
+            fs.rm_file(posixpath.join(root, name))
 
     @contextmanager
     def local_copy(self):

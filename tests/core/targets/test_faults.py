@@ -7,14 +7,13 @@ the child, and kills are SIGKILL to the whole process group (the embedded Prefec
 
 from __future__ import annotations
 
-from helpers import REPO
+from helpers import REPO, Looking
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -128,33 +127,22 @@ def test_file_size_limit_leaves_the_previous_target_untouched(demo, tmp_path):
 # ------------------------------------------------------------------ kill -9
 
 
-class TargetWatch:
+class TargetWatch(Looking):
     """A thread that looks at targets every millisecond: each must be absent or complete.
 
     Complete: every file of the uninterrupted run's manifest with its size, and a manifest.
     """
 
     def __init__(self, expected_sizes: dict[str, int]):
+        super().__init__()
         self.expected_sizes = expected_sizes
         self.targets: list[Path] = []
         self.seen: dict[Path, float] = {}   # target -> when first seen (monotonic)
         self.violations: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self):
-        while not self._stop.is_set():
-            for target in list(self.targets):
-                self._look(target)
-            time.sleep(0.001)
+    def look(self):
+        for target in list(self.targets):
+            self._look(target)
 
     def _look(self, target: Path):
         try:
