@@ -21,12 +21,16 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from ckptflow.flows.signals import raise_on_sigterm, stopped
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
-out = Console()
-err = Console(stderr=True)
+# Markup off: whatever we print — paths, object keys, tensor names, config values, error text — is shown as it is
+# (a folder named `brk[/x]` once crashed Rich's markup parser after a merge had published); the few styled words
+# of our own are `Text` with a style (`labelled`).
+out = Console(markup=False)
+err = Console(stderr=True, markup=False)
 
 # Options shared by several commands: (default, names..., help)
 BACKEND = typer.Option("auto", "--backend", help="Checkpoint format: auto, fsdp, megatron (either Megatron layout), "
@@ -75,11 +79,13 @@ def cli_errors(command):
     return run
 
 
-def fail(message: str, exit_code: int) -> None:
-    from rich.markup import escape
+def labelled(label: str, style: str, text: str) -> Text:
+    """`label` styled, then `text` exactly as it is (never read as markup)."""
+    return Text.assemble((label, style), " ", text)
 
-    # escaped: a message's own brackets ("ckptflow[pipeline]", "[hf pattern, kind]") are text, not markup
-    err.print(f"[bold red]error:[/] {escape(' '.join(message.split()))}", highlight=False, soft_wrap=True)
+
+def fail(message: str, exit_code: int) -> None:
+    err.print(labelled("error:", "bold red", " ".join(message.split())), highlight=False, soft_wrap=True)
     raise typer.Exit(exit_code) from None
 
 
@@ -167,7 +173,7 @@ class _Bars(Progress):
 
 def _progress(unit: str = "groups") -> Progress:
     return _Bars(
-        TextColumn("[bold]{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.description:<14}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
         TextColumn(unit), TimeElapsedColumn(), console=err, transient=False,
     )
 
@@ -201,7 +207,7 @@ def warn_nonfinite(found: dict) -> None:
     from mergecore.numbers.nonfinite import describe_counts
 
     for name, counts in found.items():
-        err.print(f"[bold yellow]warning:[/] {name}: {describe_counts(counts)} (published; listed in the manifest)",
+        err.print(labelled("warning:", "bold yellow", f"{name}: {describe_counts(counts)} (published; listed in the manifest)"),
                   highlight=False, soft_wrap=True)
 
 
@@ -225,7 +231,8 @@ def merge(
     check_replicas: bool = typer.Option(False, "--check-replicas", help="Also check HSDP replicas are identical."),
     workers: int = typer.Option(2, "--workers", help="Threads reading, converting and writing tensors."),
     custom_mapping: Optional[str] = CUSTOM_MAPPING,
-    on_nonfinite: str = typer.Option("warn", "--on-nonfinite", "--on_nonfinite", help=NONFINITE_HELP),
+    on_nonfinite: Optional[str] = typer.Option(None, "--on-nonfinite", "--on_nonfinite", help=NONFINITE_HELP + " "
+                                               "Default: warn; fail with --quantize (warn keeps such weights unquantized)."),
     hf_upload_path: Optional[str] = typer.Option(None, "--hf_upload_path", "--hf-upload-path", help="Also push to this Hub repo (org/name)."),
     private: Optional[bool] = typer.Option(None, "--private/--public", help="With --hf_upload_path: visibility of a newly created repo (default private)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="With --hf_upload_path: branch to push to (created if missing)."),
@@ -249,7 +256,10 @@ def merge(
                "check of `ckptflow test` and `ckptflow verify --logits`: drop it here")
     from mergecore import MergeRequest, MergeSettings, MergeSource, MergeTarget
     from mergecore.engine.merge import lora_output
+    from mergecore.hub import check_repo_id
 
+    if hf_upload_path:
+        check_repo_id(hf_upload_path, "--hf_upload_path")  # before any work: a merge that could never be pushed
     request = MergeRequest(
         MergeSource(local_dir, role=role, backend=backend, hf_dir=hf_model_path, custom_mapping=custom_mapping,
                     lora=lora_settings(lora, lora_alpha, lora_r, target_modules, base_model)),
@@ -269,7 +279,7 @@ def merge(
     checks = ", ".join(f"{c['check']} ok" for c in manifest.get("verification", [])) or "not verified"
     from mergecore.storage import Location
 
-    out.print(f"merged {manifest['source']['location']} -> {Location.of(target_dir)} "
+    out.print(f"merged {source.location} -> {Location.of(target_dir)} "
               f"({len(manifest['files'])} files, dtype {manifest['dtype']}; {checks})", highlight=False, soft_wrap=True)
     if hf_upload_path:
         push_merged(target_dir, hf_upload_path, revision=revision, private=private is not False)
@@ -349,7 +359,7 @@ def print_checks(results: list[dict]) -> None:
     table = Table("check", "result", "details")
     for result in results:
         details = ", ".join(f"{k}={v}" for k, v in result.items() if k not in ("check", "ok", "rows"))
-        table.add_row(result["check"], "[green]ok[/]" if result["ok"] else "[red]FAILED[/]", details)
+        table.add_row(result["check"], Text("ok", "green") if result["ok"] else Text("FAILED", "red"), details)
     out.print(table)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from mergecore.describe import shown_view
 from mergecore.picture import checkpoint_layout, render_markdown, write_picture
 from mergecore.storage import Location
+from mergecore.targets.card import markdown_text
 from ckptflow.tasks.caching import results_folder
 from mergecore import MergeRequest
 from ckptflow.tasks.sources import opened
@@ -42,5 +43,5 @@ def publish_picture(request: MergeRequest, discovered: dict, target: str) -> Pat
     page.parent.mkdir(parents=True, exist_ok=True)
     written = write_picture(layout, str(page))
     create_markdown_artifact(render_markdown(layout, str(written)), key=ARTIFACT_KEY,
-                             description=f"ranks × groups of {layout['checkpoint'].get('location', request.what.checkpoint)}")
+                             description=f"ranks × groups of {markdown_text(layout['checkpoint'].get('location', request.what.checkpoint))}")
     return written

@@ -3,27 +3,31 @@
 from __future__ import annotations
 
 from mergecore import MergePlan
+from mergecore.targets.card import markdown_cell_code, markdown_text
 
 
 def merge_report(source: dict, plan: MergePlan, receipts: list[dict], cached: list[str], manifest: dict) -> str:
+    """The `merge-report` artifact (markdown): what the checkpoint holds and what each group (or file) took.
+    Values come from the checkpoint and its path, so each goes through `markdown_text`."""
+    m = markdown_text
     total = sum(r["bytes"] for r in receipts)
     unit = lambda r: r.get("group") or r["file"]  # noqa: E731  (a remote target is written file by file)
     rows = "\n".join(
-        f"| {unit(r)} | {r['tensors']} | {r['bytes']:,} | {r['seconds']:.2f} | {'cached' if unit(r) in cached else 'merged'} |"
+        f"| {m(unit(r))} | {r['tensors']} | {r['bytes']:,} | {r['seconds']:.2f} | {'cached' if unit(r) in cached else 'merged'} |"
         for r in receipts)
     return f"""# Merge report
 
 | | |
 |---|---|
-| source | `{source['location']}` |
-| format | {source['format']} |
-| step | {source.get('step')} |
-| world size | {source['world_size']} |
-| mesh | {source.get('mesh_shape')} {source.get('mesh_dim_names') or ''} |
-| output dtype | {manifest['dtype']} |
+| source | {markdown_cell_code(source['location'])} |
+| format | {m(source['format'])} |
+| step | {m(source.get('step'))} |
+| world size | {m(source['world_size'])} |
+| mesh | {m(source.get('mesh_shape'))} {m(source.get('mesh_dim_names') or '')} |
+| output dtype | {m(manifest['dtype'])} |
 | files | {len(plan.files)} ({total:,} bytes of weights) |
 | groups | {len(plan.groups)} ({len(cached)} cached) |
-| timings | {manifest.get('timings', {})} |
+| timings | {m(manifest.get('timings', {}))} |
 
 | group (or file) | tensors | bytes | seconds | |
 |---|---|---|---|---|

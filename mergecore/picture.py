@@ -27,6 +27,7 @@ from .formats.fetching import places_only
 from .describe import describe_source
 from .families.layout import group_of
 from .views.lora import hf_name, is_lora_name
+from .targets.card import markdown_text
 
 MAX_COLUMNS = 128   # heat-map columns at most: more holders are drawn as buckets of ranks
 OPEN_TENSORS = 60   # a checkpoint of up to this many tensors shows them all opened
@@ -396,21 +397,22 @@ def _group_details(group: dict, labels: list[str], opened: bool) -> str:
 def render_markdown(layout: dict, html_file: str | None = None) -> str:
     """The short form for a markdown viewer (Prefect's artifact page): facts, the heat map as an SVG image
     (a data: URL, which Prefect's UI allows in image sources), the group table, and where the full page is."""
+    m = markdown_text  # the checkpoint's path, names and facts are not ours: shown literally
     facts, labels = layout["checkpoint"], layout["holders"]
     image = base64.b64encode(heat_svg(layout, standalone=True).encode()).decode()
-    lines = [f"### Checkpoint picture: {facts.get('location', '')}", "",
-             ", ".join(f"{k}: {_fact_text(k, v)}" for k, v in facts.items()) + f", ranks (files): {len(labels)}", ""]
+    lines = [f"### Checkpoint picture: {m(facts.get('location', ''))}", "",
+             m(", ".join(f"{k}: {_fact_text(k, v)}" for k, v in facts.items()) + f", ranks (files): {len(labels)}"), ""]
     if "lora" in layout:
-        lines += [f"LoRA checkpoint ({layout['lora']['save']} save): r {layout['lora']['r']}, "
-                  f"alpha {layout['lora']['alpha']}", ""]
+        lines += [m(f"LoRA checkpoint ({layout['lora']['save']} save): r {layout['lora']['r']}, "
+                    f"alpha {layout['lora']['alpha']}"), ""]
     lines += [f"![bytes per rank and group](data:image/svg+xml;base64,{image})", "",
               "| group | kinds | tensors | bytes | layouts |", "|---|---|---:|---:|---|"]
     for group in layout["groups"]:
         kinds = ", ".join(KINDS[k][0] for k in group["kinds"])
-        lines.append(f"| {group['group']} | {kinds} | {group['tensors']} | {group['bytes']:,} | "
-                     f"{'; '.join(group['layouts']).replace('|', '/')} |")
+        lines.append(f"| {m(group['group'])} | {kinds} | {group['tensors']} | {group['bytes']:,} | "
+                     f"{m('; '.join(group['layouts']))} |")
     if html_file:
-        lines += ["", f"Full picture (every tensor's shards per rank): `{html_file}`"]
+        lines += ["", f"Full picture (every tensor's shards per rank): {m(html_file)}"]
     return "\n".join(lines)
 
 

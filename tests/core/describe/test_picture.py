@@ -187,6 +187,7 @@ def test_promotion_makes_a_picture_artifact(prefect_server, demo_copy, tmp_path)
 
     from ckptflow.flows.pictures import ARTIFACT_KEY, picture_file
     from ckptflow.flows.promote import promote_checkpoint
+    from mergecore.targets.card import markdown_text
 
     ckpt = demo_copy("fsdp2-w2")
     target = tmp_path / "model"
@@ -199,7 +200,7 @@ def test_promotion_makes_a_picture_artifact(prefect_server, demo_copy, tmp_path)
     assert svg.startswith('<svg xmlns="http://www.w3.org/2000/svg"') and "rank 1 · layers.0" in svg
     assert "| layers.0 |" in artifact.data
     page = picture_file(str(target))
-    assert str(page) in artifact.data and "rank 1: rows" in page.read_text()
+    assert markdown_text(str(page)) in artifact.data and "rank 1: rows" in page.read_text()  # shown literally
     assert not (target / page.name).exists()  # beside the published model, never inside it
 
 
