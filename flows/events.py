@@ -13,8 +13,10 @@ from __future__ import annotations
 import datetime
 import re
 import uuid
+from dataclasses import dataclass
 
-from mergecore import CheckpointError
+from mergecore import CheckpointError, MergeTarget
+from mergecore.request import checked_path
 from mergecore.storage.retries import Retries
 
 EVENT = "checkpoint.uploaded"
@@ -31,8 +33,51 @@ def step_and_run(checkpoint: str) -> tuple[int | None, str | None]:
     return None, (parts[-1] if parts else None)
 
 
+@dataclass(frozen=True)
+class UploadedCheckpoint:
+    """What a `checkpoint.uploaded` event says, checked by type and form when built: by the sender
+    (`checkpoint_event`) and first thing by the receiver (`flows.service.event_place`), before anything reads it.
+    Prefect fills the flow's parameters from the event's JSON, so any JSON value may arrive in any field.
+
+    >>> UploadedCheckpoint("s3://ckpts/run1/global_step_7/actor", step="7").step
+    7
+    >>> UploadedCheckpoint("s3://ckpts/run1/global_step_7/actor", step=-1)
+    Traceback (most recent call last):
+      ...
+    mergecore.errors.CheckpointError: event step -1: give a non-negative whole number, or leave it out (it is read from global_step_N)
+    """
+
+    checkpoint: str
+    step: int | None = None
+    run: str | None = None
+    target: str | None = None
+    hub_repo: str | None = None
+    revision: str | None = None
+
+    def __post_init__(self):
+        checked_path(self.checkpoint, "event checkpoint")
+        object.__setattr__(self, "step", _event_step(self.step))
+        for name in ("run", "hub_repo", "revision"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or "\x00" in value):
+                raise CheckpointError(f"event {name} {value!r}: give a non-empty string without NUL bytes, or leave "
+                                      "it out")
+        if self.target is not None:
+            MergeTarget(self.target)  # the form of every target: a path, never one of ckptflow's own folders
+
+
+def _event_step(value) -> int | None:
+    if isinstance(value, str) and re.fullmatch(r"[0-9]{1,18}", value):  # as a template may render it
+        return int(value)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise CheckpointError(f"event step {value!r}: give a non-negative whole number, or leave it out (it is read "
+                              "from global_step_N)")
+    return value
+
+
 def checkpoint_event(checkpoint: str, step: int | None = None, run: str | None = None, **payload) -> dict:
     """One `checkpoint.uploaded` event, as `POST /api/events` takes it; None-valued payload fields are left out."""
+    step = UploadedCheckpoint(checkpoint, step, run, **payload).step
     found_step, found_run = step_and_run(checkpoint)
     step = found_step if step is None else step
     run = run or found_run

@@ -21,7 +21,9 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
 
 from mergecore import LoraSettings, MergeRequest, MergeSettings, MergeSource, MergeTarget
+from mergecore.hub import check_repo_id
 from mergecore.numbers.nonfinite import nonfinite_found
+from mergecore.targets.card import markdown_text
 from mergecore.targets.output import BackgroundHashes
 from mergecore.storage import Location
 from mergecore.targets import open_target
@@ -78,7 +80,7 @@ def merge_under_lock(request: MergeRequest, place, discovered: dict, validated: 
     cached = [u for u in units if not futures or states[u].name == "Cached"]  # reused: all of them
     written = receipts if futures else manifest.get("groups_written", [])  # reused: as the run that wrote them
     create_markdown_artifact(merge_report(discovered, plan, written, cached, manifest), key="merge-report",
-                             description=f"merge of {discovered['location']}")
+                             description=f"merge of {markdown_text(discovered['location'])}")
     publish_picture(request, discovered, target)  # the checkpoint drawn ranks × groups: an artifact and an HTML page
     return {**manifest, "cached_groups": cached}
 
@@ -127,9 +129,9 @@ def promote_checkpoint(
 
     `quantize` (fp8-block, w8a16, w4a16) publishes the quantized model instead, proven within the scheme's bound
     (`quantize_ignore`: module patterns kept unquantized; see docs/quantization.md)."""
-    request = promotion_request(locals())  # first thing in the body: locals() holds exactly the parameters
-    return promote(request, reference=reference, trust_remote_code=trust_remote_code,
-                   hub=HubPush(hub_repo, revision, private, tag, hub_token_secret) if hub_repo else None,
+    parameters = dict(locals())  # first thing in the body: locals() holds exactly the parameters
+    request, hub = promotion_request(parameters), promotion_hub(parameters)
+    return promote(request, reference=reference, trust_remote_code=trust_remote_code, hub=hub,
                    engine=Engine(task_runner, dask_address, dask_workers))
 
 
@@ -146,6 +148,12 @@ def promotion_request(parameters: dict) -> MergeRequest:
         MergeSettings(dtype=p["dtype"], max_shard_size=p["max_shard_size"], on_nonfinite=p["on_nonfinite"],
                       quantize=p["quantize"], quantize_ignore=tuple(p["quantize_ignore"] or ())),
         MergeTarget(p["target"], overwrite=p["overwrite"]))
+
+
+def promotion_hub(parameters: dict) -> HubPush | None:
+    """Where `promote_checkpoint`'s parameters push to (None: no push), checked with the request and as early."""
+    p = parameters
+    return HubPush(p["hub_repo"], p["revision"], p["private"], p["tag"], p["hub_token_secret"]) if p["hub_repo"] else None
 
 
 def promotion_parameters(**given) -> dict:
@@ -169,6 +177,9 @@ class HubPush:
     private: bool = True
     tag: str | None = None
     token_secret: str | None = None
+
+    def __post_init__(self):
+        check_repo_id(self.repo)  # the Hub's own rule, before any work: never a merge that cannot be pushed
 
 
 @dataclass(frozen=True)

@@ -81,14 +81,15 @@ _ADJUSTED: dict = {}  # id(settings in force) -> (those settings, the same with 
 def run_promotion(**parameters) -> dict:
     """Run `promote_checkpoint` in this process and return its result.
 
-    Bad parameter values are refused first, before Prefect starts (`promotion_request`). Without PREFECT_API_URL,
+    Bad parameter values are refused first, before Prefect starts (`promotion_request`, `promotion_hub`). Without PREFECT_API_URL,
     Prefect starts its temporary local server. A failed run raises the
     task's own error (CheckpointError: bad input; VerificationError: not equal) so the CLI can
     print its one line and exit non-zero.
     """
-    from ckptflow.flows.promote import promote_checkpoint, promotion_parameters, promotion_request
+    from ckptflow.flows.promote import promote_checkpoint, promotion_hub, promotion_parameters, promotion_request
 
-    promotion_request(promotion_parameters(**parameters))  # a bad value: one line now, before Prefect starts
+    checked = promotion_parameters(**parameters)
+    promotion_request(checked), promotion_hub(checked)  # a bad value: one line now, before Prefect starts
     with in_process_settings():
         state = promote_checkpoint(**parameters, return_state=True)
     if state.is_completed():

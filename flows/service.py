@@ -22,11 +22,11 @@ from prefect import flow
 from prefect.states import Completed
 
 from mergecore import CheckpointError
+from mergecore.hub import check_repo_id
 
-from .events import promotion_place, step_and_run, step_branch
+from .events import UploadedCheckpoint, promotion_place, step_and_run, step_branch
 from .promote import promote_checkpoint
 
-_REPO_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 _BRANCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}")
 
 
@@ -46,8 +46,8 @@ def below(path: str, root: str) -> str | None:
     if is_local(root):
         if not is_local(path):
             return None
-        local_root = os.path.realpath(root.removeprefix("file://"))
-        resolved = os.path.realpath(os.path.join(local_root, path.removeprefix("file://")))
+        local_root = _real(root.removeprefix("file://"))
+        resolved = _real(os.path.join(local_root, path.removeprefix("file://")))
         return resolved if os.path.commonpath([local_root, resolved]) == local_root else None
     root_url = urlsplit(root)
     if is_local(path) and path.startswith(("/", "file://")):
@@ -59,6 +59,16 @@ def below(path: str, root: str) -> str | None:
     if not same_store or not (resolved == root_path or resolved.startswith(root_path.rstrip("/") + "/")):
         return None
     return f"{root_url.scheme}://{root_url.netloc}{resolved}"
+
+
+def _real(path: str) -> str:
+    """`path` with links and `..` resolved; one that cannot resolve (a link loop, a name too long) is refused."""
+    try:
+        return os.path.realpath(path, strict=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return os.path.realpath(path)  # not there (yet): what it would resolve to
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot be resolved ({error.strerror}); name a real folder") from None
 
 
 def inside_root(target: str, target_root: str) -> str:
@@ -122,11 +132,11 @@ def inside_org(hub_repo: str, hub_org: str | None) -> str:
     if not hub_org:
         raise CheckpointError(f"Hub repo {hub_repo!r} refused: this deployment has no Hub organisation "
                               "(ckptflow deploy --hub-org ORG); leave hub_repo out of the event")
-    org, _, name = hub_repo.partition("/")
-    if org != hub_org or not _REPO_NAME.fullmatch(name) or ".." in name:
+    org, _, name = str(hub_repo).partition("/")
+    if org != hub_org or not name or "/" in name:
         raise CheckpointError(f"Hub repo {hub_repo!r} is outside this deployment's Hub organisation {hub_org}; "
                               f"leave hub_repo out of the event or name {hub_org}/NAME")
-    return hub_repo
+    return check_repo_id(hub_repo, "hub_repo")
 
 
 def event_place(checkpoint: str, target_root: str | None, hub_org: str | None = None, step: int | None = None,
@@ -134,6 +144,9 @@ def event_place(checkpoint: str, target_root: str | None, hub_org: str | None = 
                 revision: str | None = None, revision_pattern: str | None = None) -> dict:
     """Where the promotion an event asks for lands: the event's own choices checked against the boundary,
     the rest derived from the checkpoint path (step, run) by `promotion_place`."""
+    asked = UploadedCheckpoint(checkpoint, step, run, target, hub_repo, revision)  # by type and form, first
+    checkpoint, step, run, target, hub_repo, revision = (asked.checkpoint, asked.step, asked.run, asked.target,
+                                                         asked.hub_repo, asked.revision)
     if not target_root:
         raise CheckpointError("this deployment has no target root; apply it with `ckptflow deploy --target-root "
                               "PATH` so events know where promotions may land")
@@ -176,8 +189,8 @@ def promote_uploaded(
     `event_id` is the event that asked for this run (`ckptflow notify --wait` finds the run by it). The final
     state's message says where the model is. `quantize`/`quantize_ignore`: as promote_checkpoint's (a deployment
     that publishes quantized models, docs/quantization.md)."""
-    source = inside_checkpoint_root(checkpoint, checkpoint_root)
     place = event_place(checkpoint, target_root, hub_org, step, run, target, hub_repo, revision, revision_pattern)
+    source = inside_checkpoint_root(checkpoint, checkpoint_root)  # the event's fields were checked by event_place
     result = promote_checkpoint(checkpoint=source, **place, dtype=dtype, private=private,
                                 max_shard_size=max_shard_size, role=role, backend=backend,
                                 hub_token_secret=hub_token_secret, on_nonfinite=on_nonfinite, quantize=quantize,

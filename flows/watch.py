@@ -76,6 +76,10 @@ class Watcher:
         except (OSError, ValueError) as error:
             raise CheckpointError(f"{self.state_file}: unreadable watch state ({type(error).__name__}); delete it "
                                   "(every complete checkpoint is then announced again) or pass another --state") from None
+        if not _well_formed(state):
+            raise CheckpointError(f"{self.state_file}: not a watch state (an object with a root, the announced "
+                                  "checkpoints and the sizes seen); delete it (every complete checkpoint is then "
+                                  "announced again) or pass another --state")
         if state.get("root") != self.root.url:
             raise CheckpointError(f"{self.state_file}: this state belongs to the root {state.get('root')!r}, not "
                                   f"{self.root.url!r}; pass a --state file of its own for each root")
@@ -93,3 +97,14 @@ class Watcher:
             os.replace(partial, self.state_file)
         finally:
             Path(partial).unlink(missing_ok=True)
+
+
+def _well_formed(state) -> bool:
+    """Whether a state file's JSON has the shape `Watcher` writes: {"announced": {url: time}, "sizes": {url: {...}}}
+    (either may be missing)."""
+    if not isinstance(state, dict):
+        return False
+    announced, sizes = state.get("announced", {}), state.get("sizes", {})
+    return (isinstance(announced, dict) and all(isinstance(t, (int, float)) for t in announced.values())
+            and isinstance(sizes, dict) and all(isinstance(seen, dict) and all(isinstance(n, int) for n in seen.values())
+                                                for seen in sizes.values()))

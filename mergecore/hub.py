@@ -21,6 +21,31 @@ from .errors import CheckpointError, VerificationError
 from .storage.retries import Retries
 
 
+def check_repo_id(repo_id, flag: str = "--hub-repo") -> str:
+    """`repo_id` if the Hub would take it as a repo name (huggingface_hub's own rule: `name` or `org/name`, at most
+    96 characters of letters, digits, '-', '_', '.', no '--' or '..'); else a one-line CheckpointError naming
+    `flag`. Edges call it before any work, so a mistyped repo never costs a merge.
+
+    >>> check_repo_id("alice/run1")
+    'alice/run1'
+    >>> check_repo_id("alice/../bob")
+    Traceback (most recent call last):
+      ...
+    mergecore.errors.CheckpointError: --hub-repo 'alice/../bob': not a Hub repo id (give ORG/NAME: letters, digits, '-', '_' or '.', at most 96 characters, no '--' or '..')
+    """
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    rule = "give ORG/NAME: letters, digits, '-', '_' or '.', at most 96 characters, no '--' or '..'"
+    if not isinstance(repo_id, str):
+        raise CheckpointError(f"{flag} {repo_id!r}: not a Hub repo id ({rule})")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise CheckpointError(f"{flag} {repo_id!r}: not a Hub repo id ({rule})") from None
+    return repo_id
+
+
 def push_folder(
     folder: str | Path,
     repo_id: str,
@@ -45,6 +70,7 @@ def push_folder(
     """
     from .targets import open_target
 
+    check_repo_id(repo_id)
     with open_target(folder).local_copy() as local:  # a model on object storage: a local copy of its files
         return _push_local(Path(local), repo_id, revision, private, token, tag, commit_message)
 

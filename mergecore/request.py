@@ -26,8 +26,37 @@ from .numbers.budget import parse_size
 from .numbers.dtypes import resolve_dtype
 from .numbers.nonfinite import check_nonfinite_policy
 from .quantize.schemes import quantize_spec
+from .targets.base import own_name_in
+from .targets.lock import lock_timeout
 
 LORA_OUTPUTS = ("fuse", "adapter", "both")  # the fused model, the PEFT adapter folder alone, or the fused model with it
+# What a path or URL may be here (Linux's PATH_MAX and NAME_MAX): a longer one fails in the system call, later.
+_PATH_BYTES, _NAME_BYTES = 4095, 255
+
+
+def checked_path(value, what: str, optional: bool = False) -> str | None:
+    """`value` if it can name a folder, file or URL: a non-empty string without NUL bytes, within the system's
+    length limits; else a one-line CheckpointError naming `what` (`None` passes when `optional`). Every path a
+    request carries comes through here, from the CLI, a flow's parameters, an event or Python alike.
+
+    >>> checked_path("ckpts/run1", "checkpoint")
+    'ckpts/run1'
+    >>> checked_path("ckpts/\\x00run1", "checkpoint")
+    Traceback (most recent call last):
+      ...
+    mergecore.errors.CheckpointError: checkpoint 'ckpts/\\x00run1': holds a NUL byte, which no path can; fix the path
+    """
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value:
+        raise CheckpointError(f"{what} {value!r}: give a folder or URL (a non-empty string)")
+    if "\x00" in value:
+        raise CheckpointError(f"{what} {value!r}: holds a NUL byte, which no path can; fix the path")
+    encoded = value.encode("utf-8", "surrogateescape")
+    if len(encoded) > _PATH_BYTES or any(len(part) > _NAME_BYTES for part in encoded.split(b"/")):
+        raise CheckpointError(f"{what} {value[:60]!r}...: longer than the system allows ({_PATH_BYTES} bytes, "
+                              f"{_NAME_BYTES} a name); give a shorter path")
+    return value
 
 
 @dataclass(frozen=True)
@@ -56,6 +85,7 @@ class LoraSettings:
             raise CheckpointError(f"--lora-alpha {self.alpha}: give a positive number")
         if self.r is not None and (isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1):
             raise CheckpointError(f"--lora-r {self.r}: give a positive whole number")
+        checked_path(self.base_model, "--base-model", optional=True)
 
     def given(self) -> bool:
         return any(value is not None for value in asdict(self).values())
@@ -80,8 +110,9 @@ class MergeSource:
     lora: LoraSettings = field(default_factory=LoraSettings)
 
     def __post_init__(self):
-        if not isinstance(self.checkpoint, str) or not self.checkpoint:
-            raise CheckpointError(f"checkpoint {self.checkpoint!r}: give a folder or URL")
+        checked_path(self.checkpoint, "checkpoint")
+        checked_path(self.hf_dir, "--hf_model_path", optional=True)
+        checked_path(self.custom_mapping, "--custom-mapping", optional=True)
         if isinstance(self.lora, dict):  # as it comes back from JSON
             object.__setattr__(self, "lora", LoraSettings(**self.lora))
         if self.custom_mapping is not None and self.lora.given():
@@ -97,7 +128,7 @@ class MergeSettings:
     max_shard_size: str | int = "5GB"        # largest output file
     tie_word_embedding: bool | None = None   # asserted against config.json when given
     check_replicas: bool = False             # HSDP: also check the replicas are identical
-    on_nonfinite: str = "warn"               # NaN/Inf in the converted weights: fail or warn
+    on_nonfinite: str | None = None          # NaN/Inf in the converted weights: fail or warn (None: fail with quantize)
     chunk_bytes: int | str | None = None     # memory per worker (default CKPTFLOW_CHUNK_BYTES, 64 MiB; 0: unbounded)
     workers: int = 2                         # threads reading, converting and writing tensors
     verify: bool = True                      # the round trip against the shards before publishing
@@ -108,6 +139,8 @@ class MergeSettings:
         resolve_dtype(self.dtype, {})  # refuses an unknown name; "auto" needs config.json, read later
         if parse_size(self.max_shard_size) <= 0:
             raise CheckpointError(f"--max-shard-size {self.max_shard_size!r}: give a positive size like 5GB")
+        if self.on_nonfinite is None:  # a quantized weight cannot carry NaN/Inf: with --quantize, refuse unless told
+            object.__setattr__(self, "on_nonfinite", "fail" if self.quantize else "warn")
         check_nonfinite_policy(self.on_nonfinite)
         if self.chunk_bytes is not None:
             parse_chunk_bytes(self.chunk_bytes)
@@ -125,8 +158,11 @@ class MergeTarget:
     overwrite: bool = False  # replace a target holding another model
 
     def __post_init__(self):
-        if not isinstance(self.target, str) or not self.target:
-            raise CheckpointError(f"target {self.target!r}: give a folder or URL")
+        checked_path(self.target, "target")
+        if own_name_in(self.target):
+            raise CheckpointError(f"target {self.target!r}: {own_name_in(self.target)} is a folder ckptflow keeps for "
+                                  "itself (staging, results, lock); name the model's own folder")
+        lock_timeout()  # what a writer waits by, for another writer of this target: refused now if unusable
 
 
 _PARTS = {"what": MergeSource, "how": MergeSettings, "where": MergeTarget}

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -18,7 +19,14 @@ T = TypeVar("T")
 
 
 def env_number(name: str, default, kind):
-    """A non-negative number from the environment variable `name` (unset or empty: `default`)."""
+    """A finite, non-negative number from the environment variable `name` (unset or empty: `default`); anything
+    else (`nan`, `inf`, `-5`, `ten`) is a one-line CheckpointError naming the variable.
+
+    >>> os.environ["CKPTFLOW_EXAMPLE_S"] = "nan"; env_number("CKPTFLOW_EXAMPLE_S", 1.0, float)
+    Traceback (most recent call last):
+      ...
+    mergecore.errors.CheckpointError: CKPTFLOW_EXAMPLE_S='nan': not a finite, non-negative float; fix or unset it
+    """
     text = os.environ.get(name, "").strip()
     if not text:
         return default
@@ -26,8 +34,8 @@ def env_number(name: str, default, kind):
         value = kind(text)
     except ValueError:
         value = -1
-    if value < 0:
-        raise CheckpointError(f"{name}={text!r}: not a non-negative {kind.__name__}; fix or unset it")
+    if not 0 <= value < math.inf:  # False for NaN too
+        raise CheckpointError(f"{name}={text!r}: not a finite, non-negative {kind.__name__}; fix or unset it")
     return value
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -13,6 +14,20 @@ from urllib.parse import urlsplit
 from ..errors import CheckpointError, VerificationError
 from .output import MANIFEST_FILE
 from ..storage import Location
+
+
+# The names ckptflow keeps beside or inside a target for itself (`.NAME.ckptflow-partial`, `-lock`, `-results`,
+# `-retired-*`, `.ckptflow-staging`): never a target, or a merge would write into its own staging or results.
+_OWN_NAME = re.compile(r"\.(?:.+\.)?ckptflow-[a-z]+(?:-.*)?")
+
+
+def own_name_in(path: str) -> str | None:
+    """The first part of `path` (a folder or URL) that names one of ckptflow's own folders or files, else None.
+
+    >>> own_name_in("/models/.run1.ckptflow-partial/x"), own_name_in("s3://m/run1")
+    ('.run1.ckptflow-partial', None)
+    """
+    return next((part for part in re.split(r"[/\\]+", path) if _OWN_NAME.fullmatch(part)), None)
 
 
 class Target:
@@ -33,7 +48,9 @@ class Target:
         raise NotImplementedError
 
     def unfinished(self, entries: list[str]) -> bool:
-        """Whether `entries` are an unfinished merge of ckptflow's (resumed or replaced without asking)."""
+        """Whether `entries` are an unfinished merge of ckptflow's and nothing else (resumed or replaced without
+        asking). A target whose runs leave their leftovers in it (object storage) says so from what a run recorded
+        before its first write, never from names alone, and raises for files beside them that no run wrote."""
         return False
 
     def open_staging(self, fresh: bool = False):
@@ -46,8 +63,8 @@ class Target:
     def check(self, overwrite: bool, sources: Iterable[str] = ()) -> None:
         """Refuse, before anything is read or written: a target that is, contains or lies inside a checkpoint
         folder in `sources`; a non-empty target without `overwrite`; and, even with it, one that holds anything
-        but a model ckptflow published. It only looks (repairs are `stage`'s, under the lock), so it may run
-        before the lock is taken, while another writer publishes."""
+        but a model ckptflow published or an unfinished merge of its own (`unfinished`). It only looks (repairs
+        are `stage`'s, under the lock), so it may run before the lock is taken, while another writer publishes."""
         for source in sources:
             check_apart(self.url, source)
         self._check_replaceable(overwrite)

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..storage.retries import env_number
 
 POLL_SECONDS = 0.1
 DEFAULT_TIMEOUT_S = 3600.0
@@ -34,12 +35,8 @@ _guard = threading.RLock()
 
 
 def lock_timeout() -> float:
-    """Seconds a writer waits for another writer of the same target (`CKPTFLOW_LOCK_TIMEOUT`)."""
-    text = os.environ.get("CKPTFLOW_LOCK_TIMEOUT", "")
-    try:
-        return float(text) if text else DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise CheckpointError(f"CKPTFLOW_LOCK_TIMEOUT={text!r}: give a number of seconds") from None
+    """Seconds a writer waits for another writer of the same target (`CKPTFLOW_LOCK_TIMEOUT`, finite, >= 0)."""
+    return env_number("CKPTFLOW_LOCK_TIMEOUT", DEFAULT_TIMEOUT_S, float)
 
 
 def _say(message: str) -> None:
