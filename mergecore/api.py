@@ -128,8 +128,9 @@ def merged_source(manifest: dict, source: str | None = None, hf_dir: str | None 
                   custom_mapping: str | None = None) -> CheckpointSource:
     """The checkpoint a manifest names (or `source`), opened as its merge opened it (`recorded_source`: backend,
     custom mapping, LoRA fused, Hub layout); the manifest's own locations only when local (`manifest_source`)."""
-    from .proofs.verify import manifest_source
+    from .proofs.verify import as_recorded, manifest_source
 
+    manifest = as_recorded(manifest)  # the full paths of this machine's merges (storage.ledger)
     location, folder = manifest_source(manifest, source, hf_dir)
     return as_merged(recorded_source(manifest, location, folder, custom_mapping))
 

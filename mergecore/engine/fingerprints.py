@@ -32,8 +32,9 @@ OUTPUT_CODE = (
 )
 NOT_OUTPUT_CODE = (
     "__init__.py", "api.py", "request.py", "errors.py", "hub.py", "describe.py", "picture.py", "engine/__init__.py",
-    "engine/fingerprints.py", "families/__init__.py", "families/config_check.py", "numbers/__init__.py",
-    "numbers/nonfinite.py", "proofs/__init__.py", "proofs/remote_verify.py", "proofs/verify.py", "storage/retries.py",
+    "engine/fingerprints.py", "families/__init__.py", "families/config_check.py", "numbers/__init__.py", "numbers/claims.py",
+    "numbers/nonfinite.py", "proofs/__init__.py", "proofs/remote_verify.py", "proofs/verify.py", "storage/ledger.py",
+    "storage/retries.py",
     "storage/tensorio.py", "targets/__init__.py", "targets/base.py", "targets/card.py", "targets/local.py",
     "targets/lock.py", "targets/publish.py", "targets/remote.py", "views/__init__.py", "proofs/quantized.py",
 )

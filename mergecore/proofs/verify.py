@@ -24,6 +24,7 @@ from ..targets.card import CARD_FILE
 from ..targets.output import MANIFEST_FILE, sha256_file
 from ..engine.plan import INDEX_FILE
 from ..storage import Location, checked_publishable, link_root
+from ..storage.ledger import recalled, with_private
 from ..storage.tensorio import WEIGHT_SUFFIXES, HfWeights, read_json
 from .quantized import quantized_round_trip
 
@@ -35,7 +36,11 @@ def verify_round_trip(source: CheckpointSource, folder: Path, aliases: dict[str,
     `aliases` maps source tensors that were not written (a tied head) to the output tensor holding them.
     With a quantized `plan` the names are the plan's, and its quantized weights are proven by
     `quantized.quantized_round_trip` (exact re-quantization, decoded within the scheme's bound).
+    `plan`: the merge's own, when it proves what it just staged; without it the folder is a published one and its
+    plan is its manifest's (`recorded_plan`), so a quantized part that no longer matches is a file changed after
+    the merge (`file_changed`), as a changed hash is.
     """
+    published = plan is None
     plan = plan or recorded_plan(source, folder)
     quantized = plan is not None and plan.quantization
     expected = {t.name for t in plan.tensors} if quantized else set(source.tensors()) - set(aliases)
@@ -43,21 +48,25 @@ def verify_round_trip(source: CheckpointSource, folder: Path, aliases: dict[str,
         found = set(weights.names())
         if found != expected:
             raise tensors_differ(folder, found, expected)
-        pieces, errors = round_trip_of(source, weights.get, found, aliases, plan if quantized else None, folder, workers)
+        pieces, errors = round_trip_of(source, weights.get, found, aliases, plan if quantized else None, folder,
+                                       workers, published)
     return {"check": "round-trip", "tensors": len(source.tensors()), "pieces": pieces, **errors, "ok": True}
 
 
 def round_trip_of(source: CheckpointSource, get, held: set[str], aliases: dict[str, str], plan=None, where=None,
-                  workers: int = 1) -> tuple[int, dict]:
+                  workers: int = 1, published: bool = False) -> tuple[int, dict]:
     """The round trip of the output tensors `held` (a folder's, or one weight file's), each read with `get(name)`:
     plain tensors piece by piece (`round_trip_pieces`), and with a quantized `plan`, each quantized weight whose
-    parts are held re-quantized, compared and decoded within the scheme's bound (`quantized_round_trip`; `where`
-    names the folder or file in its errors). Returns (pieces compared, the quantized errors: {} without any)."""
+    parts are held re-quantized, compared and decoded within the scheme's bound (`quantized_round_trip`; `where`:
+    the model's folder or URL, whose file its errors name). `published`: the model was published (its merge proved
+    it), so a mismatch there is a file changed after the merge. Returns (pieces compared, the quantized errors: {}
+    without any)."""
     if plan is None or not plan.quantization:
         return round_trip_pieces(source, get, held, aliases, workers), {}
     plain = {t.name for t in plan.tensors if not t.part and t.name in held}
     parts = {t.name for t in plan.tensors if t.part and t.name in held}
-    errors = quantized_round_trip(source, get, plan, where, workers, held=parts) if parts else {}
+    changed = file_changed if published else None
+    errors = quantized_round_trip(source, get, plan, where, workers, held=parts, changed=changed) if parts else {}
     return round_trip_pieces(source, get, plain, aliases, workers) + len(parts), errors
 
 
@@ -141,18 +150,12 @@ def _expected_config(config: dict, source: CheckpointSource, manifest: dict) -> 
 
 
 def manifest_plan(source: CheckpointSource, config: dict, manifest: dict):
-    """The plan of the merge `manifest` records (dtype, shard size, quantization), made again from the source."""
-    from ..numbers.dtypes import resolve_dtype
+    """The plan of the merge `manifest` records (dtype, shard size, quantization), made again from the source by the
+    merge's own planner (`merge.output_plan`), so verify reads the decisions the merge made."""
     from ..families.layout import tied_embeddings
-    from ..numbers.budget import parse_size
-    from ..engine.plan import make_plan
-    from ..quantize.schemes import quantize_spec
+    from ..engine.merge import output_plan
 
-    options = manifest["source"].get("options") or {}
-    dtype = resolve_dtype(str(options.get("dtype") or "auto"), config)
-    quantized = quantize_spec(options.get("quantize"), tuple(options.get("quantize_ignore") or ()), config.get("model_type"))
-    return make_plan(str(source.location), source.tensors(), dtype, tied_embeddings(config),
-                     parse_size(options.get("max_shard_size") or "5GB"), quantized)
+    return output_plan(source, config, tied_embeddings(config), manifest["source"].get("options") or {})
 
 
 def recorded_plan(source: CheckpointSource, folder: Path):
@@ -182,8 +185,9 @@ def file_missing(path) -> VerificationError:
     return VerificationError(f"{path}: listed in {MANIFEST_FILE} but missing; the folder is incomplete")
 
 
-def file_changed(path) -> VerificationError:
-    return VerificationError(f"{path}: differs from {MANIFEST_FILE}; the file changed after the merge "
+def file_changed(path, why: str | None = None) -> VerificationError:
+    """A published file that is not what its merge wrote: by its hash (`why` None) or by what it holds."""
+    return VerificationError(f"{path}: {why or f'differs from {MANIFEST_FILE}'}; the file changed after the merge "
                              "(merge again with overwrite)")
 
 
@@ -403,7 +407,7 @@ def manifest_source(manifest: dict, source: str | None = None, hf_dir: str | Non
     >>> manifest_source({"source": {"location": "s3://ckpts/run1/actor"}}, source="s3://ckpts/run1/actor")
     ('s3://ckpts/run1/actor', None)
     """
-    recorded = manifest["source"]
+    recorded = manifest["source"]  # as `as_recorded` gives it: this machine's own paths put back
     options = recorded.get("options") or {}
     location = source or _local_only(recorded["location"], "its source checkpoint", "--source CHECKPOINT")
     folder = hf_dir or (options.get("hf_dir") and _local_only(options["hf_dir"], "its huggingface/ folder",
@@ -415,14 +419,24 @@ def manifest_source(manifest: dict, source: str | None = None, hf_dir: str | Non
     return location, folder
 
 
+def as_recorded(manifest: dict) -> dict:
+    """`manifest` with the full local paths of its sources, where this machine merged it: the manifest itself names
+    them publicly (`run1/global_step_100/actor`), its ledger keeps them (`storage.ledger`)."""
+    kept = recalled(manifest.get("weights_id"))
+    return {**manifest, "source": with_private(manifest["source"], kept)} if kept else manifest
+
+
 def _local_only(value, what: str, flag: str) -> str:
+    """`value` if it is an absolute local path; a URL, or a public name (as a manifest names what this machine did
+    not merge), is never opened."""
     try:
-        local = isinstance(value, str) and Location.of(value).is_local
+        local = isinstance(value, str) and Location.of(value).is_local and os.path.isabs(os.path.expanduser(value))
     except (ValueError, ImportError):  # a protocol fsspec does not know
         local = False
     if not local:
-        raise CheckpointError(f"{MANIFEST_FILE}: names {what} as {value!r}, not a local path; verify never contacts "
-                              f"a location a manifest names: pass {flag} if you trust it (or --skip-source)")
+        raise CheckpointError(f"{MANIFEST_FILE}: names {what} as {value!r}, not a local path this machine merged "
+                              f"from; verify never contacts a location a manifest names: pass {flag} if you trust it "
+                              "(or --skip-source)")
     return value
 
 

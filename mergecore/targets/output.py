@@ -18,6 +18,7 @@ from ..errors import VerificationError
 from ..formats import CheckpointSource
 from ..engine.plan import INDEX_FILE, MergePlan
 from ..storage import checked_publishable, link_root, publishable_files
+from ..storage.ledger import remember, split_private
 
 MANIFEST_FILE = "ckptflow_manifest.json"
 STAGING_MARKER = ".ckptflow-staging"  # in a staging folder ckptflow made (targets/local.py); never published
@@ -223,6 +224,9 @@ def write_manifest(source: CheckpointSource, config: dict, plan: MergePlan, fold
         **({"quantization": {k: v for k, v in plan.quantization.items() if k != "config"}} if plan.quantization else {}),
         **(extra or {}),
     }
+    # the manifest and card travel with the model: they name its sources publicly, this machine's ledger keeps
+    # the full paths for `verify` (storage/ledger.py)
+    manifest["source"], private = split_private(manifest["source"])
     stored = stored or {}
     (folder / CARD_FILE).write_text(model_card(manifest, config, manifest.get("verification", [])))
     files = sorted({*plan.files, *descriptive, CARD_FILE})
@@ -236,4 +240,5 @@ def write_manifest(source: CheckpointSource, config: dict, plan: MergePlan, fold
     manifest["files"] = {name: stored.get(name) or {"sha256": digests[name], "size": (folder / name).stat().st_size,
                                                      "mtime_ns": (folder / name).stat().st_mtime_ns} for name in files}
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    remember(manifest.get("weights_id"), private)
     return manifest
