@@ -81,7 +81,7 @@ def _push_local(folder: Path, repo_id: str, revision: str | None, private: bool,
     from huggingface_hub import HfApi, get_token
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
-    files = publishable_files(folder)  # before any Hub call: a refused folder creates no repo
+    files = files_to_push(folder)  # before any Hub call: a refused folder creates no repo
     branch = revision or "main"
     api = HfApi(token=token)
     secret = token or get_token()
@@ -125,12 +125,12 @@ def _push_local(folder: Path, repo_id: str, revision: str | None, private: bool,
             "url": f"{str(repo_url).rstrip('/')}/tree/{branch}", "tag": tag, "files_checked": check.checked_count}
 
 
-def publishable_files(folder: Path) -> list[str]:
-    """The files of `folder` a push publishes (relative POSIX paths, sorted), refusing in one line what the Hub
+def files_to_push(folder: Path) -> list[str]:
+    """The files of `folder` a push uploads (relative POSIX paths, sorted), refusing in one line what the Hub
     cannot hold as it is: a name that is not UTF-8, a symbolic link, a device, socket or pipe. Skips what
     huggingface_hub never uploads (`.git/`, `.cache/huggingface/`).
 
-    >>> publishable_files(Path("out/model"))  # doctest: +SKIP
+    >>> files_to_push(Path("out/model"))  # doctest: +SKIP
     ['README.md', 'ckptflow_manifest.json', 'config.json', 'model.safetensors']
     """
     from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
@@ -147,13 +147,13 @@ def publishable_files(folder: Path) -> list[str]:
                     dirs.remove(name)  # not walked into
                 continue
             mode = os.lstat(path).st_mode
-            _refuse_unpublishable(folder, relative, mode)
+            _refuse_unpushable(folder, relative, mode)
             if stat.S_ISREG(mode):
                 found.append(relative)
     return sorted(found)
 
 
-def _refuse_unpublishable(folder: Path, relative: str, mode: int) -> None:
+def _refuse_unpushable(folder: Path, relative: str, mode: int) -> None:
     shown = os.fsencode(relative).decode("utf-8", "backslashreplace")  # printable whatever the bytes
     try:
         relative.encode("utf-8")

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from . import default_cache_dir
+from .locations import default_cache_dir
 
 _STEP_FOLDER = re.compile(r"global_step_\d+")
 # Where a manifest's `source` holds a path or URL: (keys from the source entry down to the value).

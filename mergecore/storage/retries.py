@@ -66,3 +66,11 @@ class Retries:
                     raise
                 time.sleep(wait)
         raise AssertionError("unreachable")
+
+
+DEFAULT_LOCK_TIMEOUT_S = 3600.0
+
+
+def lock_timeout() -> float:
+    """Seconds a writer waits for another writer of the same target (`CKPTFLOW_LOCK_TIMEOUT`, finite, >= 0)."""
+    return env_number("CKPTFLOW_LOCK_TIMEOUT", DEFAULT_LOCK_TIMEOUT_S, float)

@@ -18,7 +18,8 @@ INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
-def _weight_map(index: Path) -> dict[str, str]:
+def read_weight_map(index: Path) -> dict[str, str]:
+    """A safetensors index's `weight_map` (tensor name -> file name), each file in the index's own folder."""
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) and "/" not in f and f not in ("", ".", "..")
                                                     for f in weight_map.values()):
@@ -100,7 +101,7 @@ class HfWeights:
         on_disk = sorted(p.name for p in self.folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
         index = next((self.folder / name for name in INDEX_FILES if (self.folder / name).exists()), None)
         if index is not None:
-            weight_map = _weight_map(index)
+            weight_map = read_weight_map(index)
             unnamed = sorted(set(on_disk) - set(weight_map.values()))
             if unnamed:
                 raise CheckpointError(f"{self.folder / unnamed[0]}: a weight file that {index.name} does not name; "
