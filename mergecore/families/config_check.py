@@ -1,7 +1,7 @@
 """config.json against the weights a merge writes, asked of transformers itself.
 
-The model class config.json names is built on the meta device (the Hub-layout view's own meta model,
-`hub_layout._meta_model`), and what its `save_pretrained` would write is computed with transformers' own save
+The model class config.json names is built on the meta device (`mergecore.families.meta_model`, the same model
+the Hub-layout view asks), and what its `save_pretrained` would write is computed with transformers' own save
 steps on meta tensors: the state dict (persistent buffers in, non-persistent ones out), less
 `_keys_to_ignore_on_save` and the tied weights it drops, in the Hub's layout (`revert_weight_conversion`). The
 merge must write exactly those names and shapes. Only where transformers has no class for the config (custom code,
@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from .layout import EMBEDDING, OUTPUT, check_against_config, layer_index, text_config, tied_embeddings
+from .meta_model import meta_model
 
 _CACHE_FORMAT = 2  # bump when what is cached changes meaning (2: "tied")
 _FIX = "the checkpoint and config.json are from different models: pass --hf_model_path with the right config"
@@ -140,9 +141,7 @@ def _ask_transformers(config: dict) -> dict:
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    from ..views.hub_layout import _meta_model
-
-    model = _meta_model(config)
+    model = meta_model(config)
     if model is None:
         from transformers import CONFIG_MAPPING
 

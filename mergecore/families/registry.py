@@ -11,14 +11,21 @@ An entry (`Family`) says:
   (the checkpoint already holds the Hub's names, those of `names`; for a family transformers does not know).
 - `megatron`: the Megatron mapping table (`mergecore.families.megatron_maps` rows), when Megatron checkpoints of
   the family are read.
+- `quantize_ignore`: module-name patterns (fnmatch) that a quantized export (`mergecore.quantize.schemes`) keeps
+  in the merge dtype for this family, beyond those it keeps for every family: the routers and gates each family
+  names its own way.
 
-A family transformers ships needs no entry to merge from FSDP; Megatron checkpoints need its table. Adding one is
-a call, no change to the library (docs/adding-a-family.md):
+Beside the entries, one fact for every family (`VALUE_HEADS`): which config.json architectures are a verl
+critic's, whose output layer is the value head, not the vocabulary.
+
+A family transformers ships needs no entry to merge from FSDP; Megatron checkpoints need its table, and a quantized
+export its own router names. Adding one is a call, no change to the library (docs/adding-a-family.md):
 
 >>> from mergecore.families.megatron_maps import ATTENTION_ROWS, DENSE_MLP_ROWS, EMBEDDING_ROWS, HEAD_ROWS
 >>> register_family("acme_doc", names=("decoder",), hub_layout="registry",
-...                 megatron={**EMBEDDING_ROWS, **ATTENTION_ROWS, **DENSE_MLP_ROWS, **HEAD_ROWS}).hub_layout
-'registry'
+...                 megatron={**EMBEDDING_ROWS, **ATTENTION_ROWS, **DENSE_MLP_ROWS, **HEAD_ROWS},
+...                 quantize_ignore="*.mlp.acme_router").quantize_ignore
+('*.mlp.acme_router',)
 >>> family_of({"model_type": "acme_doc"}).model_type
 'acme_doc'
 >>> forget_family("acme_doc")
@@ -33,29 +40,40 @@ from ..errors import CheckpointError
 from .megatron_maps import (ATTENTION_ROWS, DENSE_MLP_ROWS, EMBEDDING_ROWS, HEAD_ROWS, MOE_ROWS, QK_NORM_ROWS,
                             QKV_BIAS_ROWS, SHARED_EXPERT_ROWS, VALUE_HEAD_ROWS, Table, parse_rows)
 
-__all__ = ["Family", "register_family", "forget_family", "family_of", "registered", "table_for", "HUB_LAYOUTS"]
+__all__ = ["Family", "register_family", "forget_family", "family_of", "registered", "table_for", "HUB_LAYOUTS",
+           "VALUE_HEADS", "names_value_head"]
 
 # Where a family's Hub names come from (see the module docstring).
 HUB_LAYOUTS = ("transformers", "registry")
+# A verl critic's architecture (suffixes of config.json's `architectures[0]`, any family): its output layer is the
+# value head (`score`), not the vocabulary.
+VALUE_HEADS = ("ForTokenClassification", "ForSequenceClassification")
 
 
 @dataclass(frozen=True)
 class Family:
-    """One model family: its Hub names, where its Hub layout comes from, its Megatron table (or None)."""
+    """One model family: its Hub names, where its Hub layout comes from, its Megatron table (or None), the modules
+    a quantized export keeps unquantized for it."""
 
     model_type: str
     names: tuple[str | Mapping, ...] = ()
     hub_layout: str = "transformers"
     megatron: Table | None = None
+    quantize_ignore: tuple[str, ...] = ()
 
 
 _FAMILIES: dict[str, Family] = {}
 
 
 def register_family(model_type: str, *, names=(), hub_layout: str = "transformers", megatron: Mapping | None = None,
-                    replace: bool = False) -> Family:
+                    quantize_ignore=(), replace: bool = False) -> Family:
     """Add a family (or, with `replace=True`, change one); its Megatron rows are checked as a custom mapping's
-    are. Returns the entry. A wrong argument is a one-line CheckpointError naming it."""
+    are. Returns the entry. A wrong argument is a one-line CheckpointError naming it.
+
+    >>> register_family("acme_doc", quantize_ignore=("*.mlp.acme_router", ""))
+    Traceback (most recent call last):
+    mergecore.errors.CheckpointError: register_family('acme_doc'): quantize_ignore '' is no module name pattern: give fnmatch patterns such as '*.mlp.gate'
+    """
     where = f"register_family({model_type!r})"
     if not isinstance(model_type, str) or not model_type:
         raise CheckpointError(f"{where}: model_type must be config.json's model_type (a non-empty string)")
@@ -69,8 +87,14 @@ def register_family(model_type: str, *, names=(), hub_layout: str = "transformer
                               "{pattern: shape fields} tables")
     if hub_layout == "registry" and not names:
         raise CheckpointError(f"{where}: hub_layout 'registry' needs the family's names (its Hub name tables)")
+    # one pattern given bare would otherwise be read as patterns of one character each
+    quantize_ignore = (quantize_ignore,) if isinstance(quantize_ignore, str) else tuple(quantize_ignore)
+    for pattern in quantize_ignore:
+        if not isinstance(pattern, str) or not pattern.strip():
+            raise CheckpointError(f"{where}: quantize_ignore {pattern!r} is no module name pattern: give fnmatch "
+                                  "patterns such as '*.mlp.gate'")
     rows = parse_rows(dict(megatron), f"{where}: megatron") if megatron is not None else None
-    entry = Family(model_type, names, hub_layout, rows)
+    entry = Family(model_type, names, hub_layout, rows, quantize_ignore)
     _FAMILIES[model_type] = entry
     return entry
 
@@ -89,6 +113,17 @@ def family_of(config: dict) -> Family | None:
 def registered() -> tuple[str, ...]:
     """The registered model types, in registration order."""
     return tuple(_FAMILIES)
+
+
+def names_value_head(config: dict) -> bool:
+    """Whether config.json names a critic's architecture (`VALUE_HEADS`), whatever its family.
+
+    >>> names_value_head({"architectures": ["Qwen2ForTokenClassification"]}), names_value_head({"model_type": "qwen2"})
+    (True, False)
+    """
+    architectures = config.get("architectures")
+    named = architectures[0] if isinstance(architectures, list) and architectures else None
+    return isinstance(named, str) and named.endswith(VALUE_HEADS)
 
 
 def table_for(config: dict, custom: Table | None = None, value_model: bool = False, config_file=None) -> Table:
@@ -127,9 +162,14 @@ for _type, _megatron in {
     register_family(_type, names=("decoder",), megatron=_megatron)
 register_family("qwen2_moe", names=("decoder", "moe"), megatron={
     **EMBEDDING_ROWS, **ATTENTION_ROWS, **QKV_BIAS_ROWS, **MOE_ROWS, **SHARED_EXPERT_ROWS, **DENSE_MLP_ROWS,
-    **HEAD_ROWS})
+    **HEAD_ROWS}, quantize_ignore=("*.mlp.shared_expert_gate",))
 register_family("qwen3_moe", names=("decoder", "moe"), megatron={
     **EMBEDDING_ROWS, **ATTENTION_ROWS, **QK_NORM_ROWS, **MOE_ROWS, **DENSE_MLP_ROWS, **HEAD_ROWS})
-register_family("mixtral", names=("decoder", "mixtral"))
+register_family("mixtral", names=("decoder", "mixtral"), quantize_ignore=("*.block_sparse_moe.gate",))
 register_family("qwen2_5_vl", names=("decoder", "qwen2_5_vl_vision"))
 register_family("qwen3_vl", names=("decoder", "qwen3_vl_vision"))
+# Families transformers ships whose routers and gates a quantized export must know by name; their tensors are
+# judged by transformers' own model (no name tables here).
+register_family("deepseek_v3", quantize_ignore=("*.mlp.gate",))
+register_family("gpt_oss", quantize_ignore=("*.mlp.router",))
+register_family("qwen3_next", quantize_ignore=("*.mlp.shared_expert_gate", "*.linear_attn.*"))

@@ -2,7 +2,8 @@
 
 Quantized: 2-D Linear weights of decoder layers (`...layers.N....weight`), experts included. Unquantized (kept
 in the merge dtype): embeddings, `lm_head`, norms, biases, MoE routers and gates, vision towers and projectors
-(`DEFAULT_IGNORE`, plus `FAMILY_IGNORE[model_type]`), and whatever `--quantize-ignore PATTERN` names (an
+(`DEFAULT_IGNORE`, plus the `quantize_ignore` patterns of the model_type's entry in the family registry,
+`mergecore.families.registry`), and whatever `--quantize-ignore PATTERN` names (an
 fnmatch pattern on the module name, the tensor name without `.weight`), and weights holding NaN/Inf when the merge
 publishes those (`--on-nonfinite warn`: `kept_nonfinite`), since a quantized weight cannot carry them: its block or
 group scale would spread one bad value over its neighbours.
@@ -21,6 +22,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
+from ..families.registry import family_of
 from .kernels import BLOCK, GROUP
 
 
@@ -38,19 +40,12 @@ SCHEMES = {
     "w4a16": Scheme("w4a16", "int", 4, "weight_packed"),
 }
 
-# Module-name patterns (fnmatch) that stay unquantized in every family.
+# Module-name patterns (fnmatch) that stay unquantized in every family; the routers and gates each family names
+# its own way are its registry entry's (`Family.quantize_ignore`), so a family is added in one place.
 DEFAULT_IGNORE = (
     "*embed_tokens*", "*lm_head*", "*norm*", "*.mlp.gate", "*.router", "*.router.*", "*shared_expert_gate",
     "*visual*", "*vision_tower*", "*vision_model*", "*multi_modal_projector*", "*mm_projector*",
 )
-# Extra per model_type: the routers and gates each family names its own way.
-FAMILY_IGNORE = {
-    "mixtral": ("*.block_sparse_moe.gate",),
-    "qwen2_moe": ("*.mlp.shared_expert_gate",),
-    "deepseek_v3": ("*.mlp.gate",),
-    "gpt_oss": ("*.mlp.router",),
-    "qwen3_next": ("*.mlp.shared_expert_gate", "*.linear_attn.*"),
-}
 _DECODER_WEIGHT = re.compile(r"(^|\.)layers\.\d+\..*\.weight$")
 
 
@@ -85,7 +80,8 @@ def quantize_spec(scheme: str | None, ignore: tuple[str, ...] = (), model_type: 
     for pattern in ignore:
         if not isinstance(pattern, str) or not pattern.strip():
             raise CheckpointError(f"--quantize-ignore {pattern!r}: give a module name pattern such as '*.layers.0.*'")
-    patterns = (*DEFAULT_IGNORE, *FAMILY_IGNORE.get(model_type or "", ()), *ignore)
+    family = family_of({"model_type": model_type})
+    patterns = (*DEFAULT_IGNORE, *(family.quantize_ignore if family else ()), *ignore)
     return {"scheme": scheme, "ignore": list(patterns), "user_ignore": list(ignore),
             "kept_nonfinite": sorted(kept_nonfinite)}
 

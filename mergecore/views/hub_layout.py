@@ -19,11 +19,11 @@ HubSlice(source='model.layers.0.mlp.experts.gate_up_proj', start=(1, 32, 0), sto
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 from ..errors import CheckpointError
 from ..formats.base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from ..families.layout import _PATTERNS
+from ..families.meta_model import meta_model
 
 
 @dataclass(frozen=True)
@@ -87,11 +87,12 @@ def needs_transformers(names) -> bool:
 
 def hub_slices(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, HubSlice | HubParts] | None:
     """Output name -> HubSlice (or HubParts), in source order, as `save_pretrained` of the model would name and shape
-    them; None when transformers converts nothing for this model (names are already the Hub's).
+    them; None when transformers converts nothing for this model (names are already the Hub's). The model is the
+    family's own (`mergecore.families.meta_model`), shared with the config check.
     """
     if not needs_transformers(shapes):
         return None
-    model = _meta_model(config)
+    model = meta_model(config)
     if model is None:
         return None
     import torch
@@ -115,59 +116,6 @@ def hub_slices(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, Hu
     slices = dict(sorted(slices.items(), key=first_saved))
     _check_coverage(slices, shapes)
     return slices
-
-
-def _meta_model(config: dict):
-    """The config's model class built on the meta device (no memory), or None when transformers has no
-    such class (custom code: we never load model code, so its names stay as saved). Built once per process
-    and config: the Hub-layout view and the config check (`mergecore.families.config_check`) share it.
-    """
-    import json
-
-    return _meta_model_of(json.dumps(config, sort_keys=True))
-
-
-@lru_cache(maxsize=2)
-def _meta_model_of(config_text: str):
-    import json
-
-    import torch
-    from transformers import CONFIG_MAPPING
-
-    config = json.loads(config_text)
-    model_class = model_class_of(config)
-    if model_class is None:
-        return None
-    try:
-        hf_config = CONFIG_MAPPING[config["model_type"]].from_dict(config)
-        with torch.device("meta"):
-            return model_class._from_config(hf_config)
-    except Exception as exc:  # transformers' own complaint about the config, on one line
-        reason = " ".join(str(exc).split())[:200]
-        raise CheckpointError(f"config.json: transformers cannot build {model_class.__name__} from it ({reason}); "
-                              "fix it or pass --hf_model_path with the base model's folder") from None
-
-
-def model_class_of(config: dict):
-    """The transformers class config.json names (`architectures[0]`), or, when it names none, the causal LM
-    class of its `model_type` (what `AutoModelForCausalLM` loads); None when transformers has neither.
-
-    >>> model_class_of({"model_type": "qwen2"}).__name__  # doctest: +SKIP
-    'Qwen2ForCausalLM'
-    """
-    import transformers
-    from transformers import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
-        return None
-    architectures = config.get("architectures")
-    named = architectures[0] if isinstance(architectures, list) and architectures else None
-    name = named if isinstance(named, str) else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    model_class = getattr(transformers, name, None) if name else None  # a name from an untrusted file: check it
-    return model_class if isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel) \
-        else None
 
 
 class _ViewsOnly:

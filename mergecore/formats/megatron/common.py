@@ -16,12 +16,9 @@ from functools import cached_property
 
 from ...errors import CheckpointError
 from ...families.megatron_maps import Mapped, find, load_custom_mapping
-from ...families.registry import table_for
+from ...families.registry import names_value_head, table_for
 from ...families.transforms import Replicated, ReplicatedGatedMLP, Transform, VocabParallel, make_transform
 from ..base import read_hf_config
-
-# A verl critic's architecture: its output layer is the value head (`score`), not the vocabulary.
-VALUE_HEADS = ("ForTokenClassification", "ForSequenceClassification")
 
 
 class MegatronReader:
@@ -50,9 +47,9 @@ class MegatronReader:
 
     @staticmethod
     def value_model(config: dict, output_rows: int | None) -> bool:
-        """A critic: named so by config.json, or an output layer of one row over a vocabulary of many."""
-        architectures = config.get("architectures") or [""]
-        if str(architectures[0]).endswith(VALUE_HEADS):
+        """A critic: named so by config.json (the registry's `VALUE_HEADS`), or an output layer of one row over a
+        vocabulary of many."""
+        if names_value_head(config):
             return True
         vocab = config.get("vocab_size")
         return output_rows == 1 and vocab is not None and int(vocab) > 1

@@ -1,15 +1,19 @@
 """The family registry is the one place a family is described: registering one (as docs/adding-a-family.md shows,
-its snippet run as written) makes a Megatron merge read it and the config check judge its names; an unknown family
-stops in one line naming both fixes. Expected values: the Megatron fixture's `save_pretrained` reference folder."""
+its snippet run as written) makes a Megatron merge read it, a quantized export keep its own modules unquantized and
+the config check judge its names; an unknown family stops in one line naming both fixes. Expected values: the
+fixtures' `save_pretrained` reference folders."""
 
 from __future__ import annotations
 
 from helpers import REPO
+import ast
 import json
 import re
 from pathlib import Path
 
 import pytest
+from conftest import copy_run
+from safetensors import safe_open
 
 from ckptflow.testing.megatron_fixtures import write_megatron_checkpoint
 from mergecore import CheckpointError, compare_with_reference, merge_checkpoint
@@ -95,3 +99,77 @@ def test_inspect_says_where_a_megatron_layout_comes_from(acme, cli, tmp_path):
     assert result.exit_code == 0, result.output
     assert f"layout: custom mapping — {rows}" in result.stdout
     assert "cannot place" not in result.stdout
+
+
+def safetensors_of(folder) -> dict:
+    """Every tensor of a folder, read by safetensors itself."""
+    found = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            found.update({name: f.get_tensor(name) for name in f.keys()})
+    return found
+
+
+def test_the_docs_familys_quantize_ignore_keeps_its_modules_unquantized(demo, tmp_path):
+    """The snippet's `quantize_ignore` is read by a quantized export: an FSDP checkpoint of acme_llama (the dense
+    quantizable fixture under that model_type) merged with --quantize w4a16 keeps every layer's down_proj as
+    trained (the reference folder's values, cast to the output dtype) and lists it unquantized; up_proj is packed."""
+    pytest.importorskip("compressed_tensors", reason="the quantize extra (compressed-tensors) is not installed")
+    ckpt = copy_run(demo("quant-dense-tied"), tmp_path / "acme")
+    config_file = ckpt.role_dir / "huggingface" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "model_type": "acme_llama",
+                                       "architectures": ["AcmeLlamaForCausalLM"]}))
+    exec(compile(doc_snippet(), str(DOC), "exec"), {})
+    try:
+        merge_checkpoint(str(ckpt.run_root), tmp_path / "out", quantize="w4a16")
+    finally:
+        forget_family("acme_llama")
+    reference, merged = safetensors_of(ckpt.reference_dir), safetensors_of(tmp_path / "out")
+    down = sorted(name for name in reference if name.endswith(".mlp.down_proj.weight"))
+    assert len(down) == json.loads(config_file.read_text())["num_hidden_layers"] > 0
+    ignored = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
+    for name in down:
+        module = name.removesuffix(".weight")
+        assert module in ignored and f"{module}.weight_packed" not in merged
+        assert merged[name].equal(reference[name].to(merged[name].dtype))
+        assert f"{module.replace('down_proj', 'up_proj')}.weight_packed" in merged  # its neighbours are quantized
+
+
+def test_a_wrong_quantize_ignore_is_one_line_naming_it():
+    for bad in ("", 3, None):
+        with pytest.raises(CheckpointError) as excinfo:
+            register_family("acme_bad", quantize_ignore=("*.mlp.acme_router", bad))
+        assert str(excinfo.value) == (f"register_family('acme_bad'): quantize_ignore {bad!r} is no module name "
+                                      "pattern: give fnmatch patterns such as '*.mlp.gate'")
+    assert family_of({"model_type": "acme_bad"}) is None
+    try:  # one pattern given bare is one pattern, not one per character
+        assert register_family("acme_one", quantize_ignore="*.mlp.acme_router").quantize_ignore == ("*.mlp.acme_router",)
+    finally:
+        forget_family("acme_one")
+
+
+# What the families package may import: what sits below it (numbers, storage, error types) and itself. The
+# readers (formats), views, quantize, the engine, proofs, targets and the entry points sit above it.
+BELOW_FAMILIES = {"mergecore.errors", "mergecore.numbers", "mergecore.storage", "mergecore.families"}
+
+
+def test_the_families_package_imports_nothing_above_it():
+    """Family knowledge (the meta model the config check asks included) lives in families: no module of it imports
+    a higher layer, not even inside a function (the config check used to take views.hub_layout's private meta-model
+    builder)."""
+    folder = REPO / "mergecore" / "families"
+    above = {}
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:  # relative to mergecore.families.<module>
+                base = ["mergecore", "families"][: 3 - node.level]
+                modules = [".".join(base + ([node.module] if node.module else []))]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            else:
+                continue
+            for module in modules:
+                top = ".".join(module.split(".")[:2])
+                if module.startswith("mergecore") and top not in BELOW_FAMILIES:
+                    above.setdefault(path.name, []).append(module)
+    assert above == {}
