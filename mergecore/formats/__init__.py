@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from ..errors import CheckpointError
-from ..storage import Location, publishable_files
+from ..storage import Location, publishable_hf_files
 from .base import CheckpointSource, Piece, TensorInfo
 from .detect import has_dist_ckpt, has_mp_rank_folders, has_rank_files
 
@@ -92,6 +92,6 @@ def open_checkpoint(
                 raise CheckpointError(f"{folder}: --custom-mapping applies to Megatron checkpoints; FSDP keeps HF names")
             source = reader_class(name)(folder, Location.of(hf_dir) if hf_dir else None, step=step, **options)
             source.backend = name
-            publishable_files(source.hf_dir, source.location)  # refuses links out, FIFOs, devices: before any write
+            publishable_hf_files(source.hf_dir, source.location)  # refuses links out, FIFOs, devices: before any write
             return source
     raise CheckpointError(f"{folder}: is not a {backend} checkpoint; try --backend auto")

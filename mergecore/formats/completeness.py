@@ -86,7 +86,7 @@ def poll(root: str | Location, previous: dict[str, Sizes] | None = None) -> Poll
 
 def _list_files(root: Location) -> Sizes:
     """Every file under `root` (relative posix path -> size), listed afresh."""
-    fs, base = root._fs_path
+    fs, base = root.fs_path
     fs.invalidate_cache()  # s3fs keeps listings; a poll must see the store as it is now
     if not fs.isdir(base):
         return {}

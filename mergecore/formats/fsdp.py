@@ -1,7 +1,7 @@
 """verl FSDP checkpoints: one `model_world_size_W_rank_R.pt` per rank.
 
-Long (~480 lines) because it holds every FSDP wrapping verl uses (FSDP2, HSDP, FSDP1 with and without a mesh,
-single process) behind one reader; each has a section of its own.
+Every FSDP wrapping verl uses (FSDP2, HSDP, FSDP1 with and without a mesh, single process) is behind this one reader;
+each has a section of its own.
 
 Values per rank, by how training was wrapped (see docs/facts.md):
 FSDP2 / FSDP1-with-mesh -> DTensor (Shard(d) on a 1-D mesh, or (Replicate(), Shard(0)) for HSDP);

@@ -1,7 +1,7 @@
 """Untrusted pickles: one allow-listed Unpickler, and every reader's allow-list as data.
 
-Long (~580 lines) because every reader's allow-list is here as data, one table per kind of file: the
-security boundary is kept in one place.
+One module, long as it is, because the security boundary is kept in one place: each reader's allow-list is a table
+here, one per kind of file.
 
 Checkpoint pickles run unattended, so nothing in them is trusted. `AllowListUnpickler.find_class`
 resolves a global only through an allow-list `{(module, name): value}`; anything else is refused
@@ -531,7 +531,8 @@ def _dcp_record(name: str, **defaults) -> type:
     return type(name, (Record,), {"__module__": "dcp", **defaults})
 
 
-# The classes formats.megatron.dist checks a loaded `.metadata` against, by their torch names.
+# The classes the dist_ckpt reader (formats.megatron.dcp_metadata and .dist) checks a loaded `.metadata` against, by
+# their torch names.
 DCP_RECORDS: dict[str, type] = {
     "Metadata": _dcp_record("Metadata", planner_data=None, storage_meta=None, version=None),
     "TensorStorageMetadata": _dcp_record("TensorStorageMetadata"),
@@ -552,7 +553,7 @@ def _dcp_size(dims=()) -> tuple[int, ...]:
     dims = tuple(dims)
     if not all(type(d) is int and 0 <= d < 2 ** 63 for d in dims):
         raise Refused(f"torch.Size {dims} has a negative or non-integer size")
-    return dims  # bounded by the data files' sizes once loaded: see formats.megatron.dist
+    return dims  # bounded by the data files' sizes once loaded: see formats.megatron.dcp_metadata
 
 
 def _dcp_metadata_records() -> dict[tuple[str, str], object]:

@@ -1,8 +1,5 @@
 """Megatron dist_ckpt checkpoints (torch_dist backend), read without megatron-core and without a process group.
 
-Long (~630 lines): dist_ckpt's metadata, its stacked and per-layer keys, and the chunk views that stream a
-layer's rows are one reader.
-
 Layouts found from the role folder (`.../global_step_N/actor`):
 
 - verl 0.9.1: `model/dist_ckpt/` + `model/huggingface/` (and `optimizer/`, `extra/`, `ckpt_contents.json`,
@@ -27,17 +24,13 @@ Only the byte ranges of the rows being merged are read: every stored chunk is a 
 mmapped `.distcp` file, and `pieces` places each chunk's part rows (`Transform.row_map`) in the Hugging
 Face tensor, so `read_rows` streams any tensor in row blocks within the chunk budget
 (`mergecore.numbers.budget`); optimizer state or extra state sharing the files is never touched. `.metadata` and `common.pt`
-are untrusted: they are unpickled with allow-lists, never with plain pickle (torch's
-`FileSystemReader.read_metadata` uses plain `pickle.load`, so it is bypassed).
+are untrusted: they are unpickled with allow-lists, never with plain pickle (`.metadata` is loaded and bounded by
+the folder's bytes in `dcp_metadata.py`; `common.pt` goes through the Megatron allow-list of `legacy.py`).
 """
 
 from __future__ import annotations
 
-import io
 import itertools
-import math
-import os
-import posixpath
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -49,16 +42,16 @@ from ...errors import CheckpointError
 from ...families.megatron_maps import SKIPPED, Mapped, resolve
 from ...storage import Location, RangeFile, fetch_ranges
 from ...storage.tensorio import read_json
-from ...numbers.arrays import element_size, numpy_dtype
+from ...numbers.arrays import numpy_dtype
 from ...families.transforms import Transform
 from ..base import CheckpointSource, Piece, TensorInfo
 from .. import torchfile
-from ...numbers.claims import Extent, overclaimed, places
 from ..detect import DIST_METADATA_FILE, dist_ckpt_dir
 from ..fetching import FetchesByGroup
 from .checks import check_layers, check_moe
 from .common import MegatronReader
-from ..untrusted import DCP_METADATA, DCP_RECORDS, AllowListUnpickler, Refused, check_plain_fields
+from .dcp_metadata import load_dcp_metadata
+from ..untrusted import DCP_RECORDS
 
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "encoder.", "mtp.")
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
@@ -66,129 +59,6 @@ _PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # the expert axis of MoE weights in dist_ckpt: `mlp.experts.experts.linear_fc1.weight` (SequentialMLP and
 # TEGroupedMLP save under the same key); also accepted without the second `experts.`
 _EXPERTS = re.compile(r"^mlp\.experts\.(?:experts\.|local_experts\.)?(linear_fc[12]\.(?:weight|bias))$")
-
-
-# ---- untrusted pickles -------------------------------------------------------------------------
-
-def load_dcp_metadata(location: Location):
-    """The DCP `Metadata` of a `.metadata` file as inert records (`untrusted.DCP_METADATA`: torch is not
-    imported; dtypes are names, sizes tuples), with its storage index checked (`_check_storage_index`);
-    one-line errors."""
-    Metadata = DCP_RECORDS["Metadata"]
-    if not location.exists():
-        raise CheckpointError(
-            f"{location}: missing; the dist_ckpt save was incomplete (every rank writes its .distcp file, then rank 0 "
-            "writes .metadata): copy the whole dist_ckpt folder again"
-        )
-    try:
-        with location.open("rb") as f:
-            data = f.read()
-        metadata = AllowListUnpickler(io.BytesIO(data), DCP_METADATA, file_bytes=len(data),
-                                      what="a dist_ckpt .metadata").load()
-        check_plain_fields(metadata, "a dist_ckpt .metadata")
-    except Refused as err:
-        raise CheckpointError(
-            f"{location}: refused to unpickle ({str(err).splitlines()[0]}); ckptflow only loads checkpoint metadata, "
-            "never arbitrary objects"
-        ) from None
-    except Exception as err:  # noqa: BLE001 - truncated or garbage file
-        raise CheckpointError(
-            f"{location}: cannot be read ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); the "
-            "file is truncated or not a torch distributed checkpoint: copy it again"
-        ) from None
-    if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
-        raise CheckpointError(f"{location}: holds a {type(metadata).__name__}, not a torch distributed checkpoint Metadata")
-    if not isinstance(getattr(metadata, "storage_data", None), dict):
-        raise CheckpointError(f"{location}: has no storage index (storage_data); it was not written by FileSystemWriter")
-    _check_storage_index(metadata, location)
-    return metadata
-
-
-def _check_storage_index(metadata, location: Location) -> None:
-    """Every count the metadata claims is bounded by the bytes the dist_ckpt folder really holds, before the reader
-    builds anything from it (`formats.claims`): each storage item names a present data file inside the folder and
-    bytes of its own inside that file; each tensor chunk has its own storage item, lies inside its tensor and fits
-    in its item's bytes; a tensor's chunks hold all its elements, and its shape claims no more places than the data
-    files have bytes (a `[10**12, 0]` stacked key would otherwise make 10**12 layer slices of nothing)."""
-    _StorageInfo, MetadataIndex = DCP_RECORDS["_StorageInfo"], DCP_RECORDS["MetadataIndex"]
-    TensorStorageMetadata = DCP_RECORDS["TensorStorageMetadata"]
-
-    def refuse(what: str):
-        raise CheckpointError(f"{location}: {what}; the metadata is damaged or was tampered with: copy the dist_ckpt "
-                              "folder again from where training saved it")
-
-    def counts(values, what: str) -> tuple[int, ...]:
-        values = tuple(values or ())
-        if not all(type(v) is int and v >= 0 for v in values):
-            refuse(f"{what} {values} is not a list of non-negative integers")
-        return values
-
-    folder, data_files = location.parent, {}
-    items: dict[tuple[str, tuple], _StorageInfo] = {}
-    extents = []
-    for index, info in metadata.storage_data.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
-            refuse(f"storage index entry {type(index).__name__} -> {type(info).__name__} is not a DCP storage entry")
-        if not isinstance(info.relative_path, str) or info.relative_path not in data_files:  # refused unless a str
-            data_files[info.relative_path] = _data_file(folder, info.relative_path, index.fqn, location)
-        offset, length = counts((info.offset, info.length), f"{index.fqn}: byte range")
-        extents.append(Extent(index.fqn, info.relative_path, offset, length))
-        items[(index.fqn, counts(index.offset, f"{index.fqn}: chunk offset"))] = info
-    missing = sorted(path for path, data_file in data_files.items() if not data_file.exists())
-    if missing:  # an absent file holds no bytes: nothing it is said to hold can be bounded, or read
-        raise CheckpointError(f"{data_files[missing[0]]}: missing ({len(missing)} data files missing); the save was "
-                              "incomplete: copy the whole dist_ckpt folder again")
-    file_sizes = {path: data_file.info()["size"] for path, data_file in data_files.items()}
-    overclaim = overclaimed(extents, file_sizes.get)
-    if overclaim:
-        refuse(overclaim)
-    folder_bytes = sum(file_sizes.values())
-    for key, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata):
-            continue
-        shape = counts(md.size, f"{key}: size")
-        itemsize = _itemsize(md.properties.dtype)
-        held, seen = 0, set()
-        for chunk in md.chunks:
-            offsets, sizes = counts(chunk.offsets, f"{key}: chunk offset"), counts(chunk.sizes, f"{key}: chunk size")
-            if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
-                    o + n > s for o, n, s in zip(offsets, sizes, shape)):
-                refuse(f"{key}: chunk {sizes} at {offsets} lies outside its tensor {shape}")
-            info = items.get((key, offsets))
-            if info is None:  # bytes no file is said to hold: nothing bounds them
-                refuse(f"{key}: chunk at {offsets} has no storage entry")
-            if offsets in seen:  # one item's bytes counted twice
-                refuse(f"{key}: two chunks at {offsets} claim one storage item")
-            seen.add(offsets)
-            if math.prod(sizes) * itemsize > info.length:
-                refuse(f"{key}: chunk {sizes} at {offsets} needs {math.prod(sizes) * itemsize} bytes but its storage "
-                       f"item holds {info.length}")
-            held += math.prod(sizes)
-        if math.prod(shape) > held:
-            refuse(f"{key}: declares {math.prod(shape)} elements ({shape}) but its chunks hold {held}")
-        if places(shape) > folder_bytes:
-            refuse(f"{key}: shape {shape} claims {places(shape)} places but the data files hold {folder_bytes} bytes")
-
-
-def _data_file(folder: Location, relative, fqn: str, shown: Location) -> Location:
-    """`folder/relative`, refused unless `relative` is a plain relative path that stays inside `folder`
-    (also once symlinks are resolved, for local folders)."""
-    plain = isinstance(relative, str) and relative and "\\" not in relative and "\x00" not in relative
-    if not plain or posixpath.isabs(relative) or posixpath.normpath(relative) != relative \
-            or relative.split("/")[0] in ("..", ".") or "://" in relative or "::" in relative:
-        raise CheckpointError(
-            f"{shown}: {fqn} is stored in {str(relative)[:100]!r}, not a file of the dist_ckpt folder; the metadata was "
-            "tampered with: ckptflow only reads data files inside the checkpoint folder"
-        )
-    location = folder.join(relative)
-    if folder.is_local:
-        real_folder, real = os.path.realpath(folder.url), os.path.realpath(location.url)
-        if os.path.commonpath([real_folder, real]) != real_folder:
-            raise CheckpointError(
-                f"{shown}: {fqn} is stored in {relative!r}, which resolves to {real}, outside the dist_ckpt folder; "
-                "ckptflow only reads data files inside the checkpoint folder: copy the real files in"
-            )
-    return location
 
 
 # ---- the index: HF name -> which box of which key --------------------------------------------
@@ -440,7 +310,7 @@ class MegatronDistCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource):
         for key, md in self._tensor_keys.items():
             for chunk in md.chunks:
                 offsets = tuple(int(o) for o in chunk.offsets)
-                info = paths[(key, offsets)]  # every chunk has one: `_check_storage_index`
+                info = paths[(key, offsets)]  # every chunk has one: `dcp_metadata._check_storage_index`
                 out.setdefault(key, []).append((offsets, tuple(int(x) for x in chunk.sizes), info))
         return out
 
@@ -600,14 +470,6 @@ class MegatronDistCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource):
             "files": [f"{self.dist_dir.name}/{f}" for f in files],
             "custom_mapping": self.custom_mapping,
         }
-
-
-def _itemsize(dtype) -> int:
-    """Bytes per element of a dtype name; 1 for dtypes we never read (their chunks are never loaded)."""
-    try:
-        return element_size(str(dtype))
-    except ValueError:
-        return 1
 
 
 def _model_key(key: str) -> str:

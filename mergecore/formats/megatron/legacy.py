@@ -1,7 +1,8 @@
 """verl's legacy Megatron checkpoints: `<role>/model/mp_rank_TT[_PPP]/model.pt`, read without megatron-core.
 
-Long (~640 lines): the legacy layout's discovery, its per-rank pieces and their TP/PP/VPP/EP placement are one
-reader; the Megatron name tables and transforms are data in `families/`, what both readers share in `common.py`.
+The legacy layout's per-rank pieces and their TP/PP/VPP/EP placement are one reader: its rank folders are found by
+`mp_ranks.py`, the Megatron name tables and transforms are data in `families/`, what both readers share is in
+`common.py`.
 
 Each `model.pt` holds one TP x PP rank's model state, as a list of per-virtual-pipeline-chunk state
 dicts (verl). Also read: a dict with `"model"` (a state dict or a list) or `"model0"`, `"model1"`...
@@ -9,7 +10,7 @@ dicts (verl). Also read: a dict with `"model"` (a state dict or a list) or `"mod
 comes at position `v * PP + p` in the model, so layer offsets are the layer counts of the chunks
 before it in that order (uneven stages included). Chunks already numbered globally are accepted too.
 With expert parallelism verl appends the expert-parallel rank (`mp_rank_TT[_PPP]_EEE`); each file numbers
-its experts from 0, so they are renumbered globally (`rank_folders`, `_expert_placements`).
+its experts from 0, so they are renumbered globally (`mp_ranks.rank_folders`, `_expert_placements`).
 
 Names are mapped by the tables of `mergecore.families.megatron_maps`; values are merged by the transforms of
 `mergecore.families.transforms`, one Hugging Face tensor at a time (a layer's q_proj reads that layer's QKV
@@ -21,8 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -42,9 +42,8 @@ from ..torchfile import fetch_archive_metadata, member_span
 from ...numbers.claims import absent
 from .checks import check_layers, check_moe
 from .common import MegatronReader
+from .mp_ranks import MODEL_FILE, find_rank_folders
 from ..untrusted import Record, megatron_file
-
-MODEL_FILE = "model.pt"
 
 
 # ---- loading -----------------------------------------------------------------------------------
@@ -113,36 +112,6 @@ def _arrays(obj) -> Iterator[np.ndarray]:
 
 # ---- expert parallelism (EP > 1) ---------------------------------------------------------------
 
-def rank_folders(names: Iterable[str], has_experts: Callable[[], bool]) -> dict[str, tuple[int, int, int | None]]:
-    """mp_rank folder name -> (TP rank, PP rank, expert-parallel rank or None).
-
-    verl's legacy manager names a folder `mp_rank_TT`, appends `_PPP` when PP > 1 and then `_EEE` (the
-    expert-parallel rank) when EP > 1; only data-parallel rank 0 saves, so each TP x PP rank has one folder.
-    Three numbers end with the expert rank. Two are ambiguous: the second is an expert rank when the model
-    has experts (`has_experts`, asked only then) and every TP rank has exactly one folder, since a PP > 1 save
-    has a folder per stage for every TP rank and a PP = 1 save without EP has no suffix at all.
-
-    >>> rank_folders(["mp_rank_00_000", "mp_rank_01_001"], lambda: True)  # TP 2, EP 2, ETP 1
-    {'mp_rank_00_000': (0, 0, 0), 'mp_rank_01_001': (1, 0, 1)}
-    >>> rank_folders(["mp_rank_00_000", "mp_rank_00_001"], lambda: True)  # PP 2
-    {'mp_rank_00_000': (0, 0, None), 'mp_rank_00_001': (0, 1, None)}
-    >>> rank_folders(["mp_rank_01_001_003"], lambda: True)  # PP 2 and EP
-    {'mp_rank_01_001_003': (1, 1, 3)}
-    """
-    numbers = {name: tuple(int(g) for g in match.groups() if g is not None)
-               for name in names if (match := MP_RANK_DIR.match(name))}
-    per_tp = Counter(n[0] for n in numbers.values())
-    two_are_ep = (numbers and all(len(n) == 2 for n in numbers.values()) and set(per_tp.values()) == {1}
-                  and has_experts())
-    folders = {}
-    for name, n in numbers.items():
-        if len(n) == 3 or (len(n) == 2 and two_are_ep):
-            folders[name] = (n[0], n[1] if len(n) == 3 else 0, n[-1])
-        else:
-            folders[name] = (n[0], n[1] if len(n) > 1 else 0, None)
-    return folders
-
-
 def is_expert_row(mapped: Mapped) -> bool:
     """A routed expert's weight (`...mlp.experts.local_experts.{E}...`): numbered per expert-parallel rank."""
     return mapped.is_layer and ".mlp.experts." in mapped.pattern and len(mapped.indices) == 2
@@ -179,56 +148,13 @@ class MegatronLegacyCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource)
         self.hf_dir = hf_dir
         self.step = step
         self.custom_mapping = Location.of(custom_mapping).url if custom_mapping else None  # absolute: kept in manifests
-        self._expert_rank: dict[tuple[int, int], int] = {}  # (tp, pp) -> expert-parallel rank, when EP > 1
-        self.tp, self.pp, self._rank_dirs = self._find_ranks()
+        grid = find_rank_folders(self.model_dir, lambda: bool(dimensions(self.config).get("num_experts")))
+        self.tp, self.pp, self._rank_dirs = grid.tp, grid.pp, grid.folders
+        self._expert_rank = grid.expert_ranks  # (tp, pp) -> expert-parallel rank, when EP > 1
         self._states: dict[tuple[int, int], list[dict]] = {}
         self._lock = threading.Lock()
 
-    # ---- discovery -----------------------------------------------------------------------------
-
-    def _find_ranks(self) -> tuple[int, int, dict[tuple[int, int], str]]:
-        found: dict[tuple[int, int], str] = {}
-        with_pp = set()
-        folders = rank_folders(self.model_dir.listdir(), lambda: bool(dimensions(self.config).get("num_experts")))
-        for name, (t, p, e) in sorted(folders.items()):
-            if (t, p) in found:
-                raise CheckpointError(
-                    f"{self.model_dir.join(name)}: a second expert-parallel rank for TP rank {t}, PP rank {p} (besides "
-                    f"{found[(t, p)]}); ckptflow reads verl's legacy layout, one folder per TP x PP rank: merge a "
-                    "dist_ckpt save of this model instead"
-                )
-            numbers = len(name.split("_")) - 2
-            with_pp.add(numbers == 3 or (numbers == 2 and e is None))  # the name carries a PP rank
-            found[(t, p)] = name
-            if e is not None:
-                self._expert_rank[(t, p)] = e
-        if not found:
-            raise CheckpointError(
-                f"{self.model_dir}: no mp_rank_TT[_PPP] folders; point --local_dir at the actor/critic folder of a "
-                "verl Megatron checkpoint"
-            )
-        if len(with_pp) > 1:
-            raise CheckpointError(
-                f"{self.model_dir}: mixes mp_rank_TT and mp_rank_TT_PPP folders; they come from different saves: "
-                "remove the stale ones"
-            )
-        tp = max(t for t, _ in found) + 1
-        pp = max(p for _, p in found) + 1
-        missing = absent(tp * pp, [p * tp + t for t, p in found])  # the grid the highest folder names claim
-        if missing.count:
-            p, t = divmod(missing.lowest[0], tp)
-            name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if True in with_pp else "") + ("_EEE" if self._expert_rank else "")
-            raise CheckpointError(
-                f"{self.model_dir.join(name)}: missing (TP={tp}, PP={pp} needs every mp_rank folder); the "
-                "save was incomplete: copy every mp_rank_* folder of the checkpoint"
-            )
-        for key, name in found.items():
-            if not self.model_dir.join(name, MODEL_FILE).exists():
-                raise CheckpointError(
-                    f"{self.model_dir.join(name, MODEL_FILE)}: missing; the save was incomplete: copy the whole "
-                    "mp_rank folder again"
-                )
-        return tp, pp, found
+    # ---- the rank files ------------------------------------------------------------------------
 
     def file(self, tp_rank: int, pp_rank: int) -> Location:
         return self.model_dir.join(self._rank_dirs[(tp_rank, pp_rank)], MODEL_FILE)
