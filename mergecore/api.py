@@ -62,7 +62,7 @@ def merge(
         clock.lap("prepare")
         try:
             staged = place.stage(prepared, where.overwrite, metadata_bytes(prepared.source))  # the source's folders too
-            if staged["published"]:
+            if staged.published:
                 return place.refresh(prepared, verify=how.verify, workers=how.workers, checks=checks)
             return place.merge(prepared, staged, overwrite=where.overwrite, verify=how.verify, workers=how.workers,
                                on_unit=on_group, on_tensor=on_tensor, on_nonfinite=how.on_nonfinite,
@@ -101,23 +101,14 @@ def verify(
     >>> [row["check"] for row in verify(model)]
     ['manifest', 'copied files', 'round-trip']
     """
-    from .proofs.verify import load_manifest, reference_checks, verify_copied_files, verify_manifest, verify_round_trip
-    from .targets import LocalTarget
+    from .proofs.published import verify_model
+    from .proofs.reader import model_reader
+    from .proofs.verify import reference_checks
 
     place = open_target(folder)
-    if isinstance(place, LocalTarget):
-        results = [verify_manifest(place.path)]
-        if not skip_source:
-            manifest = load_manifest(place.path)
-            opened = merged_source(manifest, source, hf_dir, custom_mapping)
-            results.append(verify_copied_files(place.path, opened, manifest))
-            results.append(verify_round_trip(opened, place.path, manifest.get("aliases", {})))
-    else:  # file by file, by ranged reads: no whole local copy
-        from .proofs.remote_verify import verify_remote
-
-        manifest = place.require_manifest()
-        results = verify_remote(place.url, None if skip_source else merged_source(manifest, source, hf_dir,
-                                                                                  custom_mapping), manifest)
+    manifest = place.require_manifest()
+    opened = None if skip_source else merged_source(manifest, source, hf_dir, custom_mapping)
+    results = verify_model(model_reader(place.url), manifest, opened)  # a remote model by ranged reads, file by file
     if reference:
         with place.local_copy() as local:  # a remote model is compared from a local copy of its files
             results += reference_checks(Path(local), Path(reference), trust_remote_code, logits, atol, rtol)
@@ -182,7 +173,8 @@ def write_adapter_folder(request: MergeRequest, source: CheckpointSource | None 
     >>> write_adapter_folder(MergeRequest.of("ckpts/run1", "out/adapter", lora={"output": "adapter"}))  # doctest: +SKIP
     {'adapter': 'out/adapter', 'tensors': 8, 'pieces': 16, 'r': 8, 'alpha': 16.0}
     """
-    from .views.lora import adapter_of, write_adapter_files
+    from .model.adapter import write_adapter_files
+    from .views.lora import adapter_of
 
     source = source or open_source(request.what)
     lora, where = request.what.lora, request.where

@@ -9,7 +9,7 @@ from .formats.base import read_hf_config
 from .views.hub_layout import HubLayoutSource, hub_view
 from .families.layout import SHAPE_TABLES, family_tables, group_of, shape_rows
 from .families.registry import family_of
-from .views.lora import hf_name, is_lora_checkpoint, is_lora_name, is_lora_only, read_hyperparameters
+from .formats.lora import hf_name, is_lora_checkpoint, is_lora_name, is_lora_only, read_hyperparameters
 
 # How the names a merge writes were found (`family_report`'s "layout"):
 LAYOUTS = {
@@ -97,7 +97,7 @@ def family_report(source) -> dict:
     if hasattr(saved, "unplaced"):
         return {**report, **_megatron_layout(saved, config)}
     if isinstance(source, HubLayoutSource):
-        from .views.hub_layout import model_class_of
+        from .families.meta_model import model_class_of
 
         model = model_class_of(config)
         return {**report, "layout": LAYOUTS["transformers"], "unplaced": [],

@@ -26,8 +26,8 @@ from .errors import CheckpointError
 from .formats.fetching import places_only
 from .describe import describe_source
 from .families.layout import group_of
-from .views.lora import hf_name, is_lora_name
-from .targets.card import markdown_text
+from .formats.lora import hf_name, is_lora_name
+from .model.card import markdown_text
 
 MAX_COLUMNS = 128   # heat-map columns at most: more holders are drawn as buckets of ranks
 OPEN_TENSORS = 60   # a checkpoint of up to this many tensors shows them all opened

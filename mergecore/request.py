@@ -26,10 +26,10 @@ from .numbers.budget import parse_size
 from .numbers.dtypes import resolve_dtype
 from .numbers.nonfinite import check_nonfinite_policy
 from .quantize.schemes import quantize_spec
-from .targets.base import own_name_in
-from .targets.lock import lock_timeout
+from .model.folder import own_name_in
+from .storage.retries import lock_timeout
+from .views.lora import LORA_OUTPUTS
 
-LORA_OUTPUTS = ("fuse", "adapter", "both")  # the fused model, the PEFT adapter folder alone, or the fused model with it
 # What a path or URL may be here (Linux's PATH_MAX and NAME_MAX): a longer one fails in the system call, later.
 _PATH_BYTES, _NAME_BYTES = 4095, 255
 

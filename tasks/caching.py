@@ -1,4 +1,4 @@
-"""Where task results and locks live, and the cache policy of merge_group.
+"""Where task results and locks live, and the cache policy of merge_unit.
 
 Results are persisted (so a new run of the same promotion reuses finished groups) under
 `CKPTFLOW_RESULTS` or, by default, a hidden folder beside the target. SERIALIZABLE isolation with
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prefect.cache_policies import CachePolicy
 
-from mergecore.engine.fingerprints import file_key, group_key
+from mergecore.engine.fingerprints import unit_key
 
 from .locks import FlockLockManager
 from .sources import opened
@@ -28,21 +28,14 @@ def results_folder(target: str) -> Path:
     return open_target(target).results_folder
 
 
-def merge_group_key(context, parameters: dict) -> str:
-    """Fingerprints of the files the group reads + its slice of the plan + dtype + code + staging path."""
+def merge_unit_key(context, parameters: dict) -> str:
+    """Fingerprints of the files the unit reads + its slice of the plan + dtype + code + where it is staged."""
     source = opened(parameters["request"], parameters["discovered"])
-    return "merge-group-" + group_key(source, parameters["plan"], parameters["group"], parameters["staging"])
+    return "merge-unit-" + unit_key(source, parameters["planned"].plan, parameters["unit"], parameters["staged"].staging)
 
 
-def merge_file_key(context, parameters: dict) -> str:
-    """Fingerprints of the files the output file reads + its slice of the plan + dtype + code + the target."""
-    request = parameters["request"]
-    source = opened(request, parameters["discovered"])
-    return "merge-file-" + file_key(source, parameters["planned"].plan, parameters["file"], request.where.target)
-
-
-def group_cache_policy(target: str, key=merge_group_key) -> CachePolicy:
-    """Keyed by `key` (merge_group_key, or merge_file_key for files written whole to a remote target); one run
-    computes each key at a time (SERIALIZABLE, with locks in the results folder)."""
+def unit_cache_policy(target: str) -> CachePolicy:
+    """Keyed by `merge_unit_key`; one run computes each key at a time (SERIALIZABLE, with locks in the results
+    folder)."""
     locks = FlockLockManager(lock_files_directory=results_folder(target) / "locks")
-    return CachePolicy.from_cache_key_fn(key).configure(isolation_level="SERIALIZABLE", lock_manager=locks)
+    return CachePolicy.from_cache_key_fn(merge_unit_key).configure(isolation_level="SERIALIZABLE", lock_manager=locks)

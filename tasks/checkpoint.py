@@ -9,6 +9,7 @@ from prefect.cache_policies import NO_CACHE
 from mergecore import MergeRequest
 from mergecore.engine.merge import Planned, plan_merge, prepared_from, validate
 from mergecore.targets import open_target
+from mergecore.targets.base import Staged
 
 from .sources import discover, opened
 
@@ -34,7 +35,7 @@ def plan_groups(request: MergeRequest, discovered: dict, validated: dict) -> Pla
 
 
 @task(name="prepare_staging", cache_policy=NO_CACHE)
-def prepare_staging(request: MergeRequest, discovered: dict, validated: dict, planned: Planned) -> dict:
+def prepare_staging(request: MergeRequest, discovered: dict, validated: dict, planned: Planned) -> Staged:
     """Pre-size the output files beside the target (object storage: list the files to write); files kept from an
     interrupted run are reused. `published`: the target already holds this merge, so nothing is staged.
 

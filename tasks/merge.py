@@ -1,4 +1,4 @@
-"""Merging one layer group, and finishing the folder."""
+"""Merging one unit of the plan, and finishing the folder."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from mergecore import CheckpointError, MergePlan, MergeRequest
-from mergecore import merge_group as merge_one_group
+from mergecore import MergeRequest
 from mergecore.engine.merge import Planned, prepared_from
 from mergecore.numbers.nonfinite import nonfinite_error, nonfinite_found
-from mergecore.targets.output import BackgroundHashes
+from mergecore.engine.hashes import BackgroundHashes
 from mergecore.targets import open_target
+from mergecore.targets.base import Staged
 from mergecore.proofs.verify import reference_checks
 
 from .sources import opened
@@ -31,45 +31,37 @@ def transient_io_error(task, task_run, state) -> bool:
     return False
 
 
-@task(name="merge_group", retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_io_error,
-      persist_result=True, task_run_name="merge_group[{group}]")
-def merge_group(request: MergeRequest, discovered: dict, plan: MergePlan, group: str, staging: str) -> dict:
-    """Read one group's slices from every rank, convert, and write them at their final offsets. One thread per
-    group: the task runner runs groups side by side."""
-    if not Path(staging).exists():
-        raise CheckpointError(f"{staging}: staging folder is gone and group {group} has no cached result; "
-                              "rerun with overwrite=True to rebuild the target")
+def _run_name() -> str:
+    """`merge_group[layers.0]` or `merge_file[model-00001-of-00002.safetensors]`: what the unit is, in the UI."""
+    from prefect.runtime import task_run
+
+    given = task_run.parameters
+    return f"merge_{open_target(given['request'].where.target).unit.removesuffix('s')}[{given['unit']}]"
+
+
+@task(name="merge_unit", retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_io_error,
+      persist_result=True, task_run_name=_run_name)
+def merge_unit(request: MergeRequest, discovered: dict, validated: dict, planned: Planned, unit: str,
+               staged: Staged) -> dict:
+    """Merge one unit of the plan into the request's target (`Target.write_unit`): a layer group read from every
+    rank and written at its final offsets in the staged files, or, on object storage, one output file streamed,
+    read back and checked against the shards. One thread per unit: the task runner runs them side by side."""
     from prefect import get_run_logger
 
-    receipt = merge_one_group(opened(request, discovered), plan, group, Path(staging), 1,
-                              on_nonfinite=request.how.on_nonfinite, chunk_bytes=request.how.chunk_bytes)
-    # where it ran: with a Dask runner, which worker process (the receipt stays free of it: it goes in the manifest)
-    get_run_logger().info("group %s merged by process %d on %s", group, os.getpid(), socket.gethostname())
-    if receipt.get("nonfinite"):
-        get_run_logger().warning("non-finite weights written (on_nonfinite=warn): %s", receipt["nonfinite"])
-    return receipt
-
-
-@task(name="merge_file", retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_io_error,
-      persist_result=True, task_run_name="merge_file[{file}]")
-def merge_file(request: MergeRequest, discovered: dict, validated: dict, planned: Planned, file: str,
-               weights_id: str) -> dict:
-    """Stream one output file straight to the remote target, read it back and check it against the shards:
-    the unit of work for object storage, where a file cannot be written at offsets by several tasks."""
-    from prefect import get_run_logger
-
+    target = open_target(request.where.target)
     prepared = prepared_from(request, opened(request, discovered), validated, planned)
-    receipt = open_target(request.where.target).write_unit(prepared, file, {"weights_id": weights_id},
-                                                           on_nonfinite=request.how.on_nonfinite,
-                                                           chunk_bytes=request.how.chunk_bytes)
-    get_run_logger().info("file %s merged by process %d on %s", file, os.getpid(), socket.gethostname())
+    receipt = target.write_unit(prepared, unit, staged, on_nonfinite=request.how.on_nonfinite,
+                                chunk_bytes=request.how.chunk_bytes)
+    # where it ran: with a Dask runner, which worker process (the receipt stays free of it: it goes in the manifest)
+    get_run_logger().info("%s %s merged by process %d on %s", target.unit.removesuffix("s"), unit, os.getpid(),
+                          socket.gethostname())
     if receipt.get("nonfinite"):
         get_run_logger().warning("non-finite weights written (on_nonfinite=warn): %s", receipt["nonfinite"])
     return receipt
 
 
 @task(name="finalize_model", cache_policy=NO_CACHE)
-def finalize_model(request: MergeRequest, discovered: dict, validated: dict, planned: Planned, staged: dict,
+def finalize_model(request: MergeRequest, discovered: dict, validated: dict, planned: Planned, staged: Staged,
                    receipts: list[dict], hashes: BackgroundHashes | None = None, reference: str | None = None,
                    trust_remote_code: bool = False) -> dict:
     """Round-trip check against the shards and, with a reference, its tensors and logits; then
@@ -83,7 +75,7 @@ def finalize_model(request: MergeRequest, discovered: dict, validated: dict, pla
     checks = (lambda folder: reference_checks(folder, Path(reference), trust_remote_code)) if reference else None
     target, overwrite = open_target(request.where.target), request.where.overwrite
     with target.lock():  # held by the flow since staging (re-entrant): one writer publishes at a time
-        if staged["published"]:  # the receipts are those of the run that wrote it, in its manifest
+        if staged.published:  # the receipts are those of the run that wrote it, in its manifest
             check_nonfinite(request, prepared, (target.manifest() or {}).get("groups_written", []))
             return target.refresh(prepared, checks=checks)
         check_nonfinite(request, prepared, receipts)

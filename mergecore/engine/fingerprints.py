@@ -27,16 +27,20 @@ def digest(value) -> str:
 OUTPUT_CODE = (
     "formats/", "numbers/arrays.py", "numbers/budget.py", "numbers/dtypes.py", "families/layout.py",
     "families/megatron_maps.py", "families/registry.py", "families/transforms.py", "engine/plan.py", "engine/writer.py",
-    "engine/remote_writer.py", "engine/merge.py", "targets/output.py", "storage/__init__.py", "views/hub_layout.py",
-    "views/lora.py", "quantize/__init__.py", "quantize/kernels.py", "quantize/schemes.py", "quantize/stream.py",
+    "engine/remote_writer.py", "engine/merge.py", "model/folder.py", "model/adapter.py", "storage/locations.py",
+    "storage/publishable.py", "storage/ranges.py", "views/hub_layout.py", "views/lora.py", "quantize/__init__.py",
+    "quantize/kernels.py", "quantize/schemes.py", "quantize/stream.py",
+    "families/meta_model.py",
 )
 NOT_OUTPUT_CODE = (
     "__init__.py", "api.py", "request.py", "errors.py", "hub.py", "describe.py", "picture.py", "engine/__init__.py",
-    "engine/fingerprints.py", "families/__init__.py", "families/config_check.py", "numbers/__init__.py", "numbers/claims.py",
+    "engine/fingerprints.py", "engine/hashes.py", "model/__init__.py", "model/card.py", "model/manifest.py",
+    "families/__init__.py", "families/config_check.py", "numbers/__init__.py", "numbers/claims.py",
     "numbers/nonfinite.py", "proofs/__init__.py", "proofs/remote_verify.py", "proofs/verify.py", "storage/ledger.py",
-    "storage/retries.py",
-    "storage/tensorio.py", "targets/__init__.py", "targets/base.py", "targets/card.py", "targets/local.py",
+    "storage/__init__.py", "storage/retries.py", "storage/tensorio.py", "targets/__init__.py", "targets/base.py",
+    "targets/local.py",
     "targets/lock.py", "targets/publish.py", "targets/remote.py", "views/__init__.py", "proofs/quantized.py",
+    "proofs/published.py", "proofs/reader.py",
 )
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # mergecore/
 
@@ -72,14 +76,10 @@ def input_fingerprints(source: CheckpointSource, names=None) -> dict[str, dict]:
     return {**found, "lora": lora} if lora else found
 
 
-def group_key(source: CheckpointSource, plan: MergePlan, group: str, staging: str | Path) -> str:
-    """Cache key of one group's merge: equal keys mean equal bytes already at `staging`."""
-    return _tensors_key(source, plan, plan.in_group(group), staging)
-
-
-def file_key(source: CheckpointSource, plan: MergePlan, file: str, target: str) -> str:
-    """Cache key of one output file written whole to remote `target` (remote_writer): equal keys, equal bytes."""
-    return _tensors_key(source, plan, plan.in_file(file), target)
+def unit_key(source: CheckpointSource, plan: MergePlan, unit: str, where: str | Path) -> str:
+    """Cache key of one unit's merge (a layer group into staged files, or an output file written whole to object
+    storage: `MergePlan.units`): equal keys mean equal bytes already at `where` (the staging folder, the target)."""
+    return _tensors_key(source, plan, plan.in_unit(unit), where)
 
 
 def _tensors_key(source: CheckpointSource, plan: MergePlan, planned: list, where: str | Path) -> str:

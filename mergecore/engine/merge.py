@@ -23,12 +23,15 @@ from ..formats.base import read_hf_config
 from ..families.config_check import check_config, tied_aliases, writes_output_head
 from ..families.layout import EMBEDDING, OUTPUT, tied_embeddings
 from ..request import LoraSettings, MergeRequest, MergeSource, as_request
-from ..views.lora import fused_lora, lora_view, output_mode, write_adapter_beside
+from ..views.lora import fused_lora, lora_view, output_mode
 from ..numbers.nonfinite import check_nonfinite_policy
-from .plan import MergePlan, make_plan, output_dtype
+from .plan import MergePlan, make_plan, output_config, output_dtype
 from ..quantize.schemes import check_ignore_patterns, quantize_spec
 from ..quantize.stream import nonfinite_weights
-from ..storage import publishable_files
+from ..storage import publishable_hf_files
+from ..model.folder import write_descriptive_files
+from ..model.adapter import write_adapter_beside
+from ..model.manifest import write_manifest
 from .writer import TensorWriter
 
 
@@ -146,7 +149,7 @@ def validate(request: MergeRequest, source: CheckpointSource) -> dict:
     later steps use, as JSON: `config`, `tied`, and a summary (`tensors`, `model_type`, `architectures`)."""
     fused = fused_lora(source)
     if fused is not None and fused.hf_dir != fused.inner.hf_dir:  # save_lora_only: the base model's, checked alike
-        publishable_files(source.hf_dir, source.location)
+        publishable_hf_files(source.hf_dir, source.location)
     config = read_hf_config(source)
     source.validate(check_replicas=request.how.check_replicas)
     tied = check_tied_embeddings(source, config, request.how.tie_word_embedding)
@@ -286,13 +289,15 @@ def merge_group(
     return {**receipt, "nonfinite": nonfinite} if nonfinite else receipt
 
 
-def describe_folder(prepared: Prepared, folder: Path) -> list[str]:
+def write_beside_weights(prepared: Prepared, folder: Path) -> list[str]:
     """Write what a model holds beside its weights and card into `folder` — index, config, the files copied from
     huggingface/, a LoRA merge's lora_adapter/ (checked as written) — and return their names."""
-    from ..targets.output import write_descriptive_files
-
-    descriptive = write_descriptive_files(prepared.source, prepared.config, prepared.plan, folder)
-    return descriptive + write_adapter_beside(prepared.source, folder)
+    plan = prepared.plan
+    descriptive = write_descriptive_files(prepared.source, output_config(prepared.config, plan), plan.index(), folder)
+    fused = fused_lora(prepared.source)  # a fused LoRA merge with output "both" carries its PEFT adapter too
+    if fused is None or fused.output != "both":
+        return descriptive
+    return descriptive + write_adapter_beside(folder, fused.inner, fused.hyperparameters, fused.base_model)
 
 
 def finish_folder(
@@ -305,19 +310,22 @@ def finish_folder(
     stored: dict[str, dict] | None = None,
     checks: Callable[[Path], list[dict]] | None = None,
 ) -> dict:
-    """Card and manifest of the described `folder` (`describe_folder`), once `checks(folder)` (a reference model's
-    tensors and logits) passed; `results` are the checks already made (the round trip). Returns the manifest.
+    """Card and manifest of `folder`, whose other files are written (`write_beside_weights`), once `checks(folder)`
+    (a reference model's tensors and logits) passed; `results` are the checks already made (the round trip). Returns the manifest.
 
     `known`: sha256 digests already computed; `stored`: entries of weight files that live elsewhere (object storage).
     """
     from .fingerprints import metadata_id, weights_id
-    from ..targets.output import write_manifest
 
+    plan = prepared.plan
     results = [*results, *(checks(folder) if checks else [])]
-    extra = {**(extra or {}), "source": {**prepared.source.describe(), "options": prepared.options},
-             "weights_id": weights_id(prepared.source, prepared.plan),
-             "metadata_id": metadata_id(prepared.source, prepared.config), "verification": results}
-    return write_manifest(prepared.source, prepared.config, prepared.plan, folder, descriptive, extra, known, stored)
+    fields = {"source": {**prepared.source.describe(), "options": prepared.options}, "dtype": plan.dtype or "keep",
+              "groups": plan.groups, "aliases": plan.aliases,
+              **({"quantization": {k: v for k, v in plan.quantization.items() if k != "config"}} if plan.quantization
+                 else {}),
+              **(extra or {}), "weights_id": weights_id(prepared.source, plan),
+              "metadata_id": metadata_id(prepared.source, prepared.config), "verification": results}
+    return write_manifest(fields, prepared.config, folder, [*plan.files, *descriptive], known, stored)
 
 
 def metadata_bytes(source: CheckpointSource) -> int:

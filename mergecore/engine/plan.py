@@ -16,8 +16,8 @@ from ..numbers.dtypes import resolve_dtype
 from ..formats.base import TensorInfo
 from ..families.layout import EMBEDDING, OUTPUT, group_of
 from ..quantize.schemes import check_quantizes_something, module_of, outputs, quantization_config
+from ..model.folder import INDEX_FILE
 
-INDEX_FILE = "model.safetensors.index.json"
 # What a quantized model's unquantized tensors (embeddings, head, norms, biases, int scales) are written in under
 # `--dtype auto`: what FP8/INT4 releases ship and loaders expect, half a float32 checkpoint's bytes.
 QUANTIZED_AUTO_DTYPE = "bfloat16"
@@ -66,6 +66,20 @@ class MergePlan:
 
     def in_file(self, file: str) -> list[PlannedTensor]:
         return [t for t in self.tensors if t.file == file]
+
+    def units(self, kind: str) -> list[str]:
+        """What one step of the merge writes, as a target of `kind` takes it: "groups" (layer groups, rows at their
+        offsets in pre-sized files) or "files" (output files, each streamed whole). The one place that tells them
+        apart; the engine, the targets, the tasks and the CLI ask here.
+
+        >>> plan.units("groups"), plan.units("files")  # doctest: +SKIP
+        (['embed', 'layers.0', 'head'], ['model-00001-of-00001.safetensors'])
+        """
+        return self.files if kind == "files" else self.groups
+
+    def in_unit(self, unit: str) -> list[PlannedTensor]:
+        """The tensors one unit writes (a group's or a file's: their names never meet)."""
+        return self.in_file(unit) if unit in self.files else self.in_group(unit)
 
     def header(self, file: str) -> bytes:
         """The safetensors header of `file`: 8-byte little-endian length + JSON, padded to 8 bytes."""
@@ -160,3 +174,16 @@ def _quantization(spec: dict | None, planned: list[PlannedTensor], dtype, source
         kept.append("lm_head")  # a tied head is not written, but is a Linear the loader must leave alone
     return {**spec, "quantized": len(quantized), "unquantized_modules": kept,
             "config": quantization_config(spec, kept, dtype)}
+
+
+def output_config(config: dict, plan: MergePlan) -> dict:
+    """config.json as trained, declaring the dtype the weights were written in."""
+    config = dict(config)
+    floating = [t.dtype for t in plan.tensors if t.dtype in FLOATING]
+    written = plan.dtype or max(set(floating), key=floating.count, default=None)
+    if written:
+        for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
+            config[key] = written
+    if plan.quantization:  # how transformers and vLLM read the quantized weights
+        config["quantization_config"] = plan.quantization["config"]
+    return config

@@ -20,16 +20,17 @@ from ..formats import CheckpointSource
 from ..numbers.nonfinite import checked_blocks
 from ..quantize.schemes import scheme_of
 from ..quantize.stream import quantized_blocks
-from ..storage import Location, RangeFile, _identity
+from ..storage import Location, RangeFile, fingerprint_of
 from .plan import MergePlan
 from .writer import tensor_bytes
 
 
 def write_remote_file(source: CheckpointSource, plan: MergePlan, file: str, target: str | Location, *,
-                      on_nonfinite: str = "warn", chunk_bytes: int | str | None = None, verify: bool = True,
+                      on_nonfinite: str = "warn", chunk_bytes: int | str | None = None, prove=None,
                       on_tensor=None) -> dict:
-    """Stream planned `file` to `target/file`, then (with `verify`) read the stored object back, check its
-    header names exactly the planned tensors and compare each with every rank's shard (the round trip).
+    """Stream planned `file` to `target/file`, then (with `prove`, e.g. `proofs.remote_verify.check_stored_file`:
+    the proofs sit above the engine, so the caller hands them down) read the stored object back and prove it
+    against every rank's shard: `prove(source, plan, file, location, stored, sha256) -> (pieces, errors)`.
 
     Returns a receipt: the file, its tensors and bytes, the sha256 and size of the stored object and its
     storage identity (size + ETag), the pieces compared, and non-finite counts when `on_nonfinite="warn"`
@@ -41,7 +42,7 @@ def write_remote_file(source: CheckpointSource, plan: MergePlan, file: str, targ
     check_nonfinite_policy(on_nonfinite)
     started, budget = time.perf_counter(), budget_of(chunk_bytes)
     location = Location.of(target).join(file)
-    fs, path = location._fs_path
+    fs, path = location.fs_path
     planned = sorted(plan.in_file(file), key=lambda t: t.begin)
     sent = hashlib.sha256()
     # from remote rank files: the bytes of this file's tensors only (a quantized part's: its weight's), in one batch
@@ -53,38 +54,15 @@ def write_remote_file(source: CheckpointSource, plan: MergePlan, file: str, targ
         abandon(out)
         raise
     out.close()  # completes the upload: the object appears, whole
-    stored = Location._fresh_info(fs, path)
+    stored = location.fresh_info()
     receipt = {"file": file, "groups": sorted({t.group for t in planned}, key=plan.groups.index),
                "tensors": len(planned), "bytes": position, "size": int(stored["size"]),
-               "sha256": sent.hexdigest(), "identity": _identity(stored)}
-    if verify:
-        receipt["pieces"], errors = check_stored_file(source, plan, file, location, stored, receipt["sha256"])
+               "sha256": sent.hexdigest(), "identity": fingerprint_of(stored)}
+    if prove:
+        receipt["pieces"], errors = prove(source, plan, file, location, stored, receipt["sha256"])
         receipt.update(errors)
     receipt["seconds"] = round(time.perf_counter() - started, 3)
     return {**receipt, "nonfinite": nonfinite} if nonfinite else receipt
-
-
-def check_stored_file(source: CheckpointSource, plan: MergePlan, file: str, location: Location, stored: dict,
-                      sha256: str) -> tuple[int, dict]:
-    """Read the stored object back (into a sparse local file: one output file of local space at most) and prove
-    it: the bytes hash to what was sent, the header names exactly the planned tensors, and every tensor (and each
-    dropped alias it stands for) equals every rank's shard, or, quantized, is the quantization of its rows within
-    the scheme's bound. Returns (pieces compared, the quantized errors: {} without any)."""
-    from ..targets.output import sha256_file
-    from ..storage.tensorio import SafetensorsFile
-    from ..proofs.verify import round_trip_of
-
-    copy = RangeFile(location, stored)
-    copy.fetch([(0, copy.size)])
-    if sha256_file(copy.path) != sha256:
-        raise VerificationError(f"{location}: the stored object differs from the bytes sent (sha256); "
-                                "the storage changed it or another writer replaced it: merge again")
-    weights = SafetensorsFile(copy.path)
-    names = {t.name for t in plan.in_file(file)}
-    if set(weights.keys()) != names:
-        raise VerificationError(f"{location}: holds {sorted(set(weights.keys()) ^ names)[:3]} beside or instead "
-                                "of the planned tensors; merge again")
-    return round_trip_of(source, weights.get_tensor, names, plan.aliases, plan, location.parent)
 
 
 def _stream(source, plan, file, planned, out, sent, on_nonfinite, budget, on_tensor) -> tuple[int, dict]:

@@ -20,6 +20,7 @@ from ..errors import CheckpointError
 from ..numbers.nonfinite import checked_blocks
 from .plan import MergePlan, PlannedTensor
 from ..quantize.stream import quantized_blocks
+from ..model.folder import clear_strays
 
 PARTIAL_SUFFIX = ".ckptflow-partial"  # staging folder of target T: .T.ckptflow-partial beside it
 NO_ROOM = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})  # disk full, file-size limit, quota
@@ -89,7 +90,6 @@ def prepare_files(plan: MergePlan, folder: Path, metadata_bytes: int = METADATA_
     set aside a finished model a crash left under the staging name). Returns the files (re)created, whose groups must be written anew.
     Refuses first, writing nothing, when the files to create and `metadata_bytes` exceed the free space.
     """
-    from ..targets.output import clear_strays
 
     if folder.exists():
         clear_strays(folder, set(plan.files))

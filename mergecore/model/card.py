@@ -13,7 +13,8 @@ CARD_FILE = "README.md"
 # The punctuation that can start emphasis, code, a link or image, HTML or an entity, strikethrough, or end a table
 # cell, anywhere in a line (backslash escapes make each literal); `#`, `-`, `+` act only at a line's start, which
 # a value never is here (line breaks are folded).
-_MARKUP = re.compile(r"([\\`*_\[\]<>!|&~])")
+# An underscore inside a word (`q_proj`, `global_step_1`) never starts emphasis: only one at a word's edge is escaped.
+_MARKUP = re.compile(r"([\\`*\[\]<>!|&~]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))")
 
 
 def markdown_text(value) -> str:

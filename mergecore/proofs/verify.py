@@ -4,13 +4,12 @@
   and compare bit for bit with that rank's shard (cast to the output dtype; identity for keep).
 - `compare_with_reference`: tensor by tensor against a Hugging Face folder (key set, shapes, values).
 - `compare_logits`: load both folders with transformers and compare logits on fixed token ids.
-And `verify_manifest`: every file's sha256 still matches the manifest.
+And `verify_manifest`: a folder's files are still its manifest's (`reader.check_manifest`). `verify` of a published
+model, wherever it lies, is `published.verify_model`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,13 +19,12 @@ import numpy as np
 from ..numbers.arrays import bitwise_equal, cast, dtype_of
 from ..errors import CheckpointError, VerificationError
 from ..formats import CheckpointSource
-from ..targets.card import CARD_FILE
-from ..targets.output import MANIFEST_FILE, sha256_file
-from ..engine.plan import INDEX_FILE
-from ..storage import Location, checked_publishable, link_root
+from ..model.manifest import MANIFEST_FILE, file_changed, load_manifest
+from ..storage import Location
 from ..storage.ledger import recalled, with_private
-from ..storage.tensorio import WEIGHT_SUFFIXES, HfWeights, read_json
+from ..storage.tensorio import HfWeights, read_json
 from .quantized import quantized_round_trip
+from .reader import FolderReader, check_manifest
 
 
 def verify_round_trip(source: CheckpointSource, folder: Path, aliases: dict[str, str], workers: int = 2,
@@ -80,73 +78,13 @@ def round_trip_pieces(source: CheckpointSource, get, held: set[str], aliases: di
 
 
 def verify_manifest(folder: str | Path, full: bool = True) -> dict:
-    """Every file named in the manifest is there and unchanged: re-hashed, or with `full=False`
-    only its size and modification time compared (enough to notice any ordinary write)."""
-    folder = Path(folder)
-    manifest = load_manifest(folder)
-    unlisted = unlisted_files(folder, manifest)
-    if unlisted:
-        raise VerificationError(f"{folder}: holds {len(unlisted)} file(s) its {MANIFEST_FILE} does not list "
-                                f"({', '.join(unlisted[:3])}); they are not part of the merged model: remove them "
-                                "or merge again")
-    for name, entry in manifest["files"].items():
-        path = folder / name
-        if not path.exists():
-            raise file_missing(path)
-        stat = path.stat()
-        changed = (stat.st_size != entry["size"] or stat.st_mtime_ns != entry.get("mtime_ns", stat.st_mtime_ns)
-                   if not full else sha256_file(path) != entry["sha256"])
-        if changed:
-            raise file_changed(path)
-    return {"check": "manifest" if full else "manifest (size, mtime)", "files": len(manifest["files"]), "ok": True}
+    """Every file the folder's manifest lists is there and unchanged, and nothing else is: re-hashed, or with
+    `full=False` only its size and modification time compared (enough to notice any ordinary write).
 
-
-def unlisted_files(folder: Path, manifest: dict) -> list[str]:
-    """Everything in `folder` (files, links, special files, at any depth) the manifest does not list, sorted:
-    a published folder holds exactly its manifest's files (and the manifest). Folders themselves are not named."""
-    listed = {*manifest["files"], MANIFEST_FILE}
-    return sorted(p.relative_to(folder).as_posix() for p in Path(folder).rglob("*")
-                  if (p.is_symlink() or not p.is_dir()) and p.relative_to(folder).as_posix() not in listed)
-
-
-def verify_copied_files(folder: Path, source: CheckpointSource, manifest: dict) -> dict:
-    """The files a merge copied from the source's huggingface/ (tokenizer, chat template, generation config...)
-    are byte for byte the source's, none is missing or added, and config.json is what the merge writes from the
-    source's (`output.output_config`: the source's config declaring the dtype written). A hash in the manifest
-    proves only that a file did not change since the manifest was written; this ties them to the checkpoint.
-
-    >>> verify_copied_files(Path("out/model"), merged_source, load_manifest("out/model"))["files"]  # doctest: +SKIP
-    4
+    >>> verify_manifest("out/model", full=False)  # doctest: +SKIP
+    {'check': 'manifest (size, mtime)', 'files': 7, 'ok': True}
     """
-    from ..formats.base import read_hf_config
-    from ..targets.output import copied_names
-
-    config = read_hf_config(source)  # first: a source whose huggingface/ is gone is a missing input, not a mismatch
-    expected = copied_names(source)
-    weights = {name for name in manifest["files"] if name.endswith(WEIGHT_SUFFIXES)}
-    described = {name for name in manifest["files"] if "/" not in name and name not in weights
-                 and name not in (INDEX_FILE, "config.json", CARD_FILE, MANIFEST_FILE)}
-    odd = sorted(described ^ set(expected))
-    if odd:
-        raise VerificationError(f"{folder}: its copied files differ from {source.hf_dir}'s ({', '.join(odd[:3])}); "
-                                "the folder was not merged from this checkpoint's huggingface/ folder: merge again")
-    for name in expected:
-        with checked_publishable(source.hf_dir.join(name), link_root(source.hf_dir, source.location)) as theirs:
-            if hashlib.sha256(theirs.read()).hexdigest() != sha256_file(folder / name):
-                raise VerificationError(f"{folder / name}: differs from {source.hf_dir.join(name)}; the copied file "
-                                        "was changed after the merge: merge again")
-    written = read_json(folder / "config.json", fix="merge again")
-    if written != _expected_config(config, source, manifest):
-        raise VerificationError(f"{folder / 'config.json'}: is not the config.json a merge writes from "
-                                f"{source.hf_dir.join('config.json')}; it was changed after the merge: merge again")
-    return {"check": "copied files", "files": len(expected) + 1, "ok": True}
-
-
-def _expected_config(config: dict, source: CheckpointSource, manifest: dict) -> dict:
-    """config.json as the merge recorded in `manifest` writes it from the source's `config`."""
-    from ..targets.output import output_config
-
-    return json.loads(json.dumps(output_config(config, manifest_plan(source, config, manifest))))  # as written: JSON types
+    return check_manifest(FolderReader(folder), load_manifest(folder), full)
 
 
 def manifest_plan(source: CheckpointSource, config: dict, manifest: dict):
@@ -174,21 +112,11 @@ def quantized_plan(source: CheckpointSource, manifest: dict):
     return manifest_plan(source, read_hf_config(source), manifest)
 
 
-# The wording of a failed check, shared with the file-by-file check of a model on object storage (remote_verify).
+# The wording of a failed check, shared by a staged folder's round trip and a published model's (published.py).
 def tensors_differ(folder, found: set[str], expected: set[str]) -> VerificationError:
     odd = sorted(found ^ expected)
     return VerificationError(f"{folder}: output tensors differ from the checkpoint's ({', '.join(odd[:3])}); "
                              "the folder was not merged from this checkpoint")
-
-
-def file_missing(path) -> VerificationError:
-    return VerificationError(f"{path}: listed in {MANIFEST_FILE} but missing; the folder is incomplete")
-
-
-def file_changed(path, why: str | None = None) -> VerificationError:
-    """A published file that is not what its merge wrote: by its hash (`why` None) or by what it holds."""
-    return VerificationError(f"{path}: {why or f'differs from {MANIFEST_FILE}'}; the file changed after the merge "
-                             "(merge again with overwrite)")
 
 
 def compare_with_reference(folder: Path, reference: Path, atol: float = 0.0, rtol: float = 0.0) -> dict:
@@ -438,23 +366,3 @@ def _local_only(value, what: str, flag: str) -> str:
                               f"from; verify never contacts a location a manifest names: pass {flag} if you trust it "
                               "(or --skip-source)")
     return value
-
-
-def _inside_folder(name: str) -> bool:
-    """A manifest file name: a plain name, or one folder deep (a LoRA merge's `lora_adapter/...`); never `..`."""
-    parts = name.split("/")
-    return len(parts) <= 2 and all(part not in ("", ".", "..") for part in parts)
-
-
-def load_manifest(folder) -> dict:
-    """A merged folder's manifest, checked for the fields `verify` reads (`folder`: a path or a `storage.Location`)."""
-    path = folder.join(MANIFEST_FILE) if isinstance(folder, Location) else Path(folder) / MANIFEST_FILE
-    fix = "the folder was not written by ckptflow merge, or its manifest was damaged: merge again"
-    manifest = read_json(path, fix=fix)
-    files, source = manifest.get("files"), manifest.get("source")
-    if not (isinstance(files, dict) and all(isinstance(e, dict) and "sha256" in e and "size" in e for e in files.values())
-            and all(isinstance(name, str) and _inside_folder(name) for name in files)
-            and isinstance(source, dict) and isinstance(source.get("location"), str)
-            and isinstance(source.get("options", {}), dict) and isinstance(manifest.get("aliases", {}), dict)):
-        raise CheckpointError(f"{path}: lacks its files or source entries; {fix}")
-    return manifest

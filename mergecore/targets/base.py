@@ -5,29 +5,32 @@ from __future__ import annotations
 
 import os
 import posixpath
-import re
 from collections.abc import Iterable
-from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..errors import CheckpointError, VerificationError
-from .output import MANIFEST_FILE
+from ..model.manifest import MANIFEST_FILE
 from ..storage import Location
 
 
-# The names ckptflow keeps beside or inside a target for itself (`.NAME.ckptflow-partial`, `-lock`, `-results`,
-# `-retired-*`, `.ckptflow-staging`): never a target, or a merge would write into its own staging or results.
-_OWN_NAME = re.compile(r"\.(?:.+\.)?ckptflow-[a-z]+(?:-.*)?")
+@dataclass(frozen=True)
+class Staged:
+    """Where a merge writes, as `Target.stage` prepared it: plain values, so it travels along the pipeline's edges.
 
+    `staging`: the staged place (a hidden folder beside a local target; the target's URL on object storage);
+    `created`: the weight files to write anew (the others hold a finished run's bytes); `published`: the target
+    already holds this very merge (nothing to write); on object storage, `weights_id` and `run` (this run's marker)
+    and `kept` (receipts of files an interrupted run of this merge finished)."""
 
-def own_name_in(path: str) -> str | None:
-    """The first part of `path` (a folder or URL) that names one of ckptflow's own folders or files, else None.
-
-    >>> own_name_in("/models/.run1.ckptflow-partial/x"), own_name_in("s3://m/run1")
-    ('.run1.ckptflow-partial', None)
-    """
-    return next((part for part in re.split(r"[/\\]+", path) if _OWN_NAME.fullmatch(part)), None)
+    staging: str
+    created: list[str] = field(default_factory=list)
+    published: bool = False
+    weights_id: str | None = None
+    run: str | None = None
+    kept: dict[str, dict] = field(default_factory=dict)
 
 
 class Target:
@@ -39,6 +42,24 @@ class Target:
 
     def __str__(self) -> str:
         return self.url
+
+    def units(self, plan) -> list[str]:
+        """The units of `plan` this target is written in, each by one `write_unit` (`MergePlan.units`)."""
+        return plan.units(self.unit)
+
+    def rewritten(self, plan, staged: Staged) -> set[str]:
+        """The units to write again, whatever a cache holds: those of the files `stage` must write anew."""
+        created = set(staged.created)
+        return {unit for unit in self.units(plan) if any(t.file in created for t in plan.in_unit(unit))}
+
+    def hashes(self, staged: Staged) -> AbstractContextManager:
+        """What hashes the weight files while units are written (None where each file is hashed as it streams)."""
+        return nullcontext()
+
+    def write_unit(self, prepared, unit: str, staged: Staged, workers: int = 1, on_nonfinite: str = "warn",
+                   on_tensor=None, chunk_bytes=None) -> dict:
+        """Merge one unit of `prepared`'s plan into the staged place; returns its receipt."""
+        raise NotImplementedError
 
     def lock(self) -> AbstractContextManager:
         raise NotImplementedError
@@ -69,7 +90,7 @@ class Target:
             check_apart(self.url, source)
         self._check_replaceable(overwrite)
 
-    def stage(self, prepared, overwrite: bool, room: int = 0, sources: Iterable[str] = ()) -> dict:
+    def stage(self, prepared, overwrite: bool, room: int = 0, sources: Iterable[str] = ()) -> Staged:
         """Where the merge `prepared` writes, after `check`: `published` (nothing to write) when the target already
         holds this very merge, whatever `overwrite` says; else the staged place, with `created` listing what must
         be written anew (see the subclasses' `_stage`)."""

@@ -20,10 +20,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import CheckpointError
-from .output import MANIFEST_FILE, STAGING_MARKER
+from ..model.folder import STAGING_MARKER, clear_strays
+from ..model.manifest import MANIFEST_FILE
 from .publish import publish, repair_target
 from ..engine.writer import PARTIAL_SUFFIX, METADATA_SLACK, prepare_files
-from .base import Target
+from .base import Staged, Target
 from .lock import target_lock
 
 
@@ -115,16 +116,15 @@ class LocalTarget(Target):
         if self._staging_state() == "marked":
             shutil.rmtree(self.staging, ignore_errors=True)
 
-    def _already_published(self, prepared) -> dict:
-        return {"staging": str(self.staging), "created": [], "published": True}
+    def _already_published(self, prepared) -> Staged:
+        return Staged(str(self.staging), published=True)
 
-    def _stage(self, prepared, room: int) -> dict:
+    def _stage(self, prepared, room: int) -> Staged:
         """The staging folder with the planned files pre-sized (`created`: made anew, so their groups must be
         written; files kept from an interrupted run keep theirs); refused first when they would not fit with
         `room` bytes for the rest."""
         staging = self.open_staging()
-        return {"staging": str(staging), "created": prepare_files(prepared.plan, staging, room or METADATA_SLACK),
-                "published": False}
+        return Staged(str(staging), created=prepare_files(prepared.plan, staging, room or METADATA_SLACK))
 
     def publish(self, staging: Path, overwrite: bool) -> None:
         """Make the finished staging folder the target, atomically (see `publish.py`)."""
@@ -142,29 +142,33 @@ class LocalTarget(Target):
 
         return verify_manifest(self.path, full=False)
 
-    def write_unit(self, prepared, group: str, staged: dict, workers: int = 1, on_nonfinite: str = "warn",
+    def hashes(self, staged: Staged):
+        from ..engine.hashes import BackgroundHashes
+
+        return BackgroundHashes(Path(staged.staging))  # the staged files, as far as their groups are written
+
+    def write_unit(self, prepared, group: str, staged: Staged, workers: int = 1, on_nonfinite: str = "warn",
                    on_tensor=None, chunk_bytes=None) -> dict:
         """Merge one layer group into its place in the staged files; returns its receipt (`merge.merge_group`)."""
         from ..engine.merge import merge_group
 
-        staging = Path(staged["staging"])
+        staging = Path(staged.staging)
         if not staging.is_dir():
             raise CheckpointError(f"{staging}: staging folder is gone and group {group} has no cached result; "
                                   "rerun with overwrite to rebuild the target")
         return merge_group(prepared.source, prepared.plan, group, staging, workers, on_tensor, on_nonfinite, chunk_bytes)
 
-    def merge(self, prepared, staged: dict, *, overwrite: bool, verify: bool = True, workers: int = 2,
+    def merge(self, prepared, staged: Staged, *, overwrite: bool, verify: bool = True, workers: int = 2,
               on_unit=None, on_tensor=None, on_nonfinite: str = "warn", chunk_bytes=None, extra: dict | None = None,
               checks=None) -> dict:
         """Every group into the staged files, in order, then `finalize`. The weight files are hashed as far as
         they are written while the next groups merge."""
         from ..engine.merge import Stopwatch
-        from .output import BackgroundHashes
 
         clock, plan = Stopwatch(), prepared.plan
-        with BackgroundHashes(Path(staged["staging"])) as hashes:
+        with self.hashes(staged) as hashes:
             receipts = []
-            for group in plan.groups:
+            for group in self.units(plan):
                 receipts.append(self.write_unit(prepared, group, staged, workers, on_nonfinite, on_tensor, chunk_bytes))
                 hashes.start_written(plan, {r["group"] for r in receipts})
                 if on_unit:
@@ -174,24 +178,24 @@ class LocalTarget(Target):
             return self.finalize(prepared, staged, receipts, overwrite=overwrite, verify=verify, workers=workers,
                                  extra=extra, hashes=hashes, checks=checks)
 
-    def finalize(self, prepared, staged: dict, receipts: list[dict], *, overwrite: bool, verify: bool = True,
+    def finalize(self, prepared, staged: Staged, receipts: list[dict], *, overwrite: bool, verify: bool = True,
                  workers: int = 2, extra: dict | None = None, hashes=None, checks=None) -> dict:
         """Prove the staged files equal the shards (round trip), add index, config, copied files, card and
         manifest (`merge.finish_folder`, with `checks` of the finished folder), and publish atomically.
         Nothing reaches the target unless every check passed. `hashes`: a `BackgroundHashes` already through
         the groups merged so far."""
-        from ..engine.merge import Stopwatch, describe_folder, finish_folder
-        from .output import BackgroundHashes, clear_strays
+        from ..engine.merge import Stopwatch, write_beside_weights, finish_folder
+        from ..engine.hashes import BackgroundHashes
         from .publish import start_writeback
         from ..proofs.verify import verify_round_trip
         from ..engine.writer import room_checked
 
-        staging, plan, clock = Path(staged["staging"]), prepared.plan, Stopwatch()
+        staging, plan, clock = Path(staged.staging), prepared.plan, Stopwatch()
         with room_checked(staging):
             clear_strays(staging, set(plan.files))
             hashes = hashes or BackgroundHashes(staging)
             hashes.start(plan.files)  # finishes while the round-trip check runs
-            descriptive = describe_folder(prepared, staging)
+            descriptive = write_beside_weights(prepared, staging)
             start_writeback([staging / file for file in plan.files])  # to disk while the checks run; publish fsyncs
             results = [verify_round_trip(prepared.source, staging, plan.aliases, workers, plan)] if verify else []
             clock.lap("verify")
@@ -215,7 +219,7 @@ class LocalTarget(Target):
         staging = self.open_staging(fresh=True)
         for file in prepared.plan.files:
             os.link(self.path / file, staging / file)
-        return self.finalize(prepared, {"staging": str(staging)}, manifest.get("groups_written", []), overwrite=True,
+        return self.finalize(prepared, Staged(str(staging)), manifest.get("groups_written", []), overwrite=True,
                              verify=verify, workers=workers, checks=checks)
 
 

@@ -25,18 +25,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..storage.retries import env_number
+from ..storage.retries import lock_timeout
 
 POLL_SECONDS = 0.1
-DEFAULT_TIMEOUT_S = 3600.0
 
 _held: dict[str, list] = {}  # lock file -> [descriptor, depth]: the locks this process holds
 _guard = threading.RLock()
-
-
-def lock_timeout() -> float:
-    """Seconds a writer waits for another writer of the same target (`CKPTFLOW_LOCK_TIMEOUT`, finite, >= 0)."""
-    return env_number("CKPTFLOW_LOCK_TIMEOUT", DEFAULT_TIMEOUT_S, float)
 
 
 def _say(message: str) -> None:

@@ -41,9 +41,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import CheckpointError, VerificationError
-from .output import MANIFEST_FILE
-from ..storage import Location, _identity, default_cache_dir
-from .base import Target
+from ..model.manifest import MANIFEST_FILE
+from ..storage import Location, default_cache_dir, fingerprint_of
+from .base import Staged, Target
 from .lock import target_lock
 
 STAGING_RECORDS = ".ckptflow-staging"  # under a remote target: one record per finished file, gone once published
@@ -59,7 +59,7 @@ def _bookkeeping(name: str) -> bool:
 def local_state_folder(target: str | Location) -> Path:
     """The local folder for a remote target's run state (the pipeline's cached results, its lock): fixed per URL."""
     location = Location.of(target)
-    return default_cache_dir() / "targets" / f"{location._url_key()}-{location.name}"
+    return default_cache_dir() / "targets" / f"{location.url_key()}-{location.name}"
 
 
 class RemoteTarget(Target):
@@ -73,7 +73,7 @@ class RemoteTarget(Target):
 
     @property
     def _fs_root(self):
-        return self.location._fs_path
+        return self.location.fs_path
 
     @contextmanager
     def lock(self, timeout: float | None = None):
@@ -125,13 +125,13 @@ class RemoteTarget(Target):
                                   "stands for), or choose another --target_dir")
         return marker
 
-    def _claimed(self, names: list[str], staged: dict) -> dict:
+    def _claimed(self, names: list[str], staged: Staged) -> dict:
         """The marker of the run that staged `staged` (same merge; same run when `staged` says which), naming
         `names` too: added, before they are written, when missing. Refused when the marker is gone or another's:
         another run took the target over, or published, since this one staged, and nothing more is written."""
         marker = self._marker()
-        if marker is None or marker.get("weights_id") != staged["weights_id"] or \
-                staged.get("run", marker.get("run")) != marker.get("run"):
+        if marker is None or marker.get("weights_id") != staged.weights_id or \
+                (staged.run or marker.get("run")) != marker.get("run"):
             raise CheckpointError(f"{self.url}: its {RUN_MARKER} is gone or another run's since this merge staged "
                                   "(another ckptflow run took the target over or published it); nothing more was "
                                   "written: merge again")
@@ -160,13 +160,12 @@ class RemoteTarget(Target):
 
         return load_manifest(self.location) if self.location.join(MANIFEST_FILE).exists() else None
 
-    def _already_published(self, prepared) -> dict:
+    def _already_published(self, prepared) -> Staged:
         from ..engine.fingerprints import weights_id
 
-        return {"staging": self.url, "created": [], "kept": {}, "published": True,
-                "weights_id": weights_id(prepared.source, prepared.plan)}
+        return Staged(self.url, published=True, weights_id=weights_id(prepared.source, prepared.plan))
 
-    def _stage(self, prepared, room: int) -> dict:
+    def _stage(self, prepared, room: int) -> Staged:
         """The run's marker is written first, naming the planned weight files and everything the target holds now
         (`check` let this run replace it: a model ckptflow published, with overwrite, or an earlier run's leftovers,
         which that run's marker named). Then its old manifest is deleted (readers see no model from here on), and
@@ -184,8 +183,8 @@ class RemoteTarget(Target):
         if MANIFEST_FILE in entries:
             fs.rm_file(posixpath.join(root, MANIFEST_FILE))  # the old model stops being one before any file changes
         kept = self._finished_files(plan.files, merge_id)
-        return {"staging": self.url, "created": [f for f in plan.files if f not in kept], "kept": kept,
-                "published": False, "weights_id": merge_id, "run": run}
+        return Staged(self.url, created=[f for f in plan.files if f not in kept], kept=kept, weights_id=merge_id,
+                      run=run)
 
     def discard(self) -> None:
         """Nothing to remove: files written so far stay recorded, so the next run of this merge resumes."""
@@ -200,7 +199,7 @@ class RemoteTarget(Target):
         for file in files:
             try:
                 record = json.loads(fs.cat_file(posixpath.join(records, f"{file}.json")))
-                stored = _identity(fs.info(posixpath.join(root, file)))
+                stored = fingerprint_of(fs.info(posixpath.join(root, file)))
             except (FileNotFoundError, ValueError):
                 continue
             receipt = record.get("receipt", {}) if isinstance(record, dict) else {}
@@ -208,20 +207,22 @@ class RemoteTarget(Target):
                 kept[file] = receipt  # written, stored and checked (one written without the check is written again)
         return kept
 
-    def write_unit(self, prepared, file: str, staged: dict, workers: int = 1, on_nonfinite: str = "warn",
+    def write_unit(self, prepared, file: str, staged: Staged, workers: int = 1, on_nonfinite: str = "warn",
                    on_tensor=None, chunk_bytes=None, verify: bool = True) -> dict:
         """Write, check and record one weight file of `prepared`'s plan (see `remote_writer`)."""
         from ..engine.remote_writer import write_remote_file
+        from ..proofs.remote_verify import check_stored_file
 
         self._claimed([file], staged)  # named by this merge's marker (at staging) before its object is written
         receipt = write_remote_file(prepared.source, prepared.plan, file, self.location, on_nonfinite=on_nonfinite,
-                                    chunk_bytes=chunk_bytes, verify=verify, on_tensor=on_tensor)
+                                    chunk_bytes=chunk_bytes, prove=check_stored_file if verify else None,
+                                    on_tensor=on_tensor)
         fs, root = self._fs_root
-        record = {"weights_id": staged["weights_id"], "receipt": receipt}
+        record = {"weights_id": staged.weights_id, "receipt": receipt}
         fs.pipe_file(posixpath.join(root, STAGING_RECORDS, f"{file}.json"), json.dumps(record).encode())
         return receipt
 
-    def merge(self, prepared, staged: dict, *, overwrite: bool, verify: bool = True, workers: int = 2,
+    def merge(self, prepared, staged: Staged, *, overwrite: bool, verify: bool = True, workers: int = 2,
               on_unit=None, on_tensor=None, on_nonfinite: str = "warn", chunk_bytes=None, extra: dict | None = None,
               checks=None) -> dict:
         """The files left to write, `workers` at a time (each streamed, read back and checked), then `finalize`."""
@@ -233,17 +234,17 @@ class RemoteTarget(Target):
             return receipt
 
         with ThreadPoolExecutor(max(1, workers)) as pool:
-            written = {r["file"]: r for r in pool.map(one, staged["created"])}
-        receipts = [staged["kept"].get(f) or written[f] for f in prepared.plan.files]
+            written = {r["file"]: r for r in pool.map(one, staged.created)}
+        receipts = [staged.kept.get(f) or written[f] for f in prepared.plan.files]
         return self.finalize(prepared, staged, receipts, overwrite=overwrite, verify=verify, extra=extra, checks=checks)
 
-    def finalize(self, prepared, staged: dict, receipts: list[dict], *, overwrite: bool = False, verify: bool = True,
+    def finalize(self, prepared, staged: Staged, receipts: list[dict], *, overwrite: bool = False, verify: bool = True,
                  workers: int = 2, extra: dict | None = None, hashes=None, checks=None) -> dict:
         """Publish the weight files written (one receipt each): they are still the ones written; index, config,
         copied files, a LoRA adapter and the card go up; objects of an earlier model and the staging records go;
         the manifest is written last. `checks(folder)` (a reference's tensors and logits) runs on a local copy
         before anything is published."""
-        from ..engine.merge import describe_folder, finish_folder
+        from ..engine.merge import write_beside_weights, finish_folder
         from ..proofs.quantized import quantized_errors
 
         published = self.published(prepared)
@@ -254,7 +255,7 @@ class RemoteTarget(Target):
         by_file = {r["file"]: r for r in receipts}
         for file in plan.files:
             fs.invalidate_cache(posixpath.join(root, file))
-            if file not in by_file or _identity(fs.info(posixpath.join(root, file))) != by_file[file]["identity"]:
+            if file not in by_file or fingerprint_of(fs.info(posixpath.join(root, file))) != by_file[file]["identity"]:
                 raise VerificationError(f"{self.location.join(file)}: not the file this merge wrote (missing or "
                                         "replaced since); nothing was published: merge again")
         results = [{"check": "round-trip", "tensors": len(prepared.source.tensors()),
@@ -263,7 +264,7 @@ class RemoteTarget(Target):
         stored = {f: {"sha256": by_file[f]["sha256"], "size": by_file[f]["size"]} for f in plan.files}
         with tempfile.TemporaryDirectory(prefix="ckptflow-publish-") as scratch:
             folder = Path(scratch)
-            descriptive = describe_folder(prepared, folder)
+            descriptive = write_beside_weights(prepared, folder)
             if checks:  # they read the weights: a local copy, removed before the upload
                 for file in plan.files:
                     fs.get_file(posixpath.join(root, file), str(folder / file))
@@ -281,7 +282,7 @@ class RemoteTarget(Target):
             raise CheckpointError(f"{self.url}: does not hold this checkpoint's merge; rerun with overwrite to rebuild it")
         return {**manifest, "reused": True}
 
-    def _upload_manifest_last(self, folder: Path, keep: set[str], staged: dict) -> None:
+    def _upload_manifest_last(self, folder: Path, keep: set[str], staged: Staged) -> None:
         """Name `folder`'s files in the run's marker, upload them, remove every other object the marker names but
         `keep` (an earlier model's, an earlier run's), the manifest last, then the records and the marker (kept
         until then: a crash before the manifest resumes with them). An object the marker does not name (put there
@@ -329,17 +330,7 @@ class RemoteTarget(Target):
 def check_sizes(target: str | Location, manifest: dict) -> dict:
     """The cheap check of a published remote model (no byte read): every file the manifest lists is there with
     its size; `ckptflow verify` re-hashes everything. Returns the result row."""
-    from ..proofs.verify import file_changed, file_missing
+    from ..proofs.reader import ObjectStorageReader, check_manifest
 
-    location = Location.of(target)
-    fs, root = location._fs_path
-    fs.invalidate_cache(root)
-    for name, entry in manifest["files"].items():
-        try:
-            size = fs.info(posixpath.join(root, name))["size"]
-        except FileNotFoundError:
-            raise file_missing(location.join(name)) from None
-        if size != entry["size"]:
-            raise file_changed(location.join(name))
-    return {"check": "manifest (size)", "files": len(manifest["files"]), "ok": True}
+    return check_manifest(ObjectStorageReader(Location.of(target)), manifest, full=False)
 

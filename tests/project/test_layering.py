@@ -1,5 +1,6 @@
-"""The import layering, read from the source (function-local imports count too, so a circle cannot hide in one):
-mergecore never imports Prefect, tasks or flows; no package has an import circle between its modules."""
+"""The import layering, read from the source (function-local imports count too, so nothing hides in a function):
+mergecore never imports Prefect, tasks or flows; every import points down the layer order `LAYERS`; no package has an
+import circle between its modules."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ import pytest
 
 ROOT = REPO
 PACKAGES = {"mergecore": "mergecore", "tasks": "ckptflow.tasks", "flows": "ckptflow.flows"}
+# The layers, bottom first: a module may import its own layer's modules and those of the layers below, never above.
+# Each entry is a mergecore sub-package or top-level module (docs/architecture.md draws this order).
+LAYERS = [
+    ["errors"], ["numbers"], ["storage"], ["families"], ["formats"], ["views"], ["quantize"], ["model"], ["request"],
+    ["engine"], ["proofs"], ["targets"], ["describe", "hub"], ["picture"], ["api"], ["mergecore"],
+]
 
 
 def modules(folder: str) -> dict[str, Path]:
@@ -110,3 +117,36 @@ def test_the_architecture_page_names_every_package_by_its_docstring():
         first = ast.get_docstring(ast.parse((ROOT / "mergecore" / package / "__init__.py").read_text())).splitlines()[0]
         assert f"| `{package}/` | {first} |" in page, package
     assert len(list((ROOT / "mergecore").glob("*.py"))) <= 8
+
+
+def layer_of(module: str) -> int:
+    """The index in `LAYERS` of a mergecore module (`mergecore.engine.plan` -> engine's)."""
+    parts = module.split(".")
+    unit = parts[1] if len(parts) > 1 else "mergecore"
+    return next(i for i, layer in enumerate(LAYERS) if unit in layer)
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets if layer_of(b) > layer_of(a))
+
+
+def test_every_import_points_down_the_layers():
+    """Module-level and function-local alike: a lower layer never reaches up (the engine writing through the
+    targets it is called by, a reader asking the proofs that check it)."""
+    edges = graph("mergecore")
+    assert not [m for m in edges if m != "mergecore" and not any(m.split(".")[1] in layer for layer in LAYERS)], \
+        "a new mergecore sub-package or module: give it its place in LAYERS"
+    assert upward_imports(edges) == []
+
+
+def test_the_checker_sees_an_upward_import_in_a_function(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("def f():\n    from ..targets import open_target\n")
+    found = imported("mergecore.engine.m", source, {"mergecore.targets": source})
+    assert upward_imports({"mergecore.engine.m": found}) == ["mergecore.engine.m -> mergecore.targets"]
+
+
+def test_the_architecture_page_draws_the_layers():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    drawn = " < ".join(" ".join(f"`{unit}`" for unit in layer) for layer in LAYERS)
+    assert drawn in page, drawn

@@ -187,11 +187,12 @@ def test_promotion_makes_a_picture_artifact(prefect_server, demo_copy, tmp_path)
 
     from ckptflow.flows.pictures import ARTIFACT_KEY, picture_file
     from ckptflow.flows.promote import promote_checkpoint
-    from mergecore.targets.card import markdown_text
+    from ckptflow.flows.requests import PromotionRequest
+    from mergecore.model.card import markdown_text
 
     ckpt = demo_copy("fsdp2-w2")
     target = tmp_path / "model"
-    promote_checkpoint(str(ckpt.run_root), str(target))
+    promote_checkpoint(PromotionRequest.of(str(ckpt.run_root), str(target)))
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[ARTIFACT_KEY])))
     artifact = max(found, key=lambda a: a.created)

@@ -100,11 +100,12 @@ def test_warn_publishes_and_lists_them_in_the_manifest(cli, diverged, tmp_path):
 
 
 def test_promote_refuses_them_even_from_groups_cached_by_a_warn_run(prefect_server, diverged, tmp_path):
+    from ckptflow.flows.requests import PromotionRequest
     from ckptflow.flows.run import run_promotion
     from mergecore import CheckpointError
 
     target = tmp_path / "model"
-    promote = lambda **options: run_promotion(checkpoint=str(diverged.run_root), target=str(target), **options)  # noqa: E731
+    promote = lambda **options: run_promotion(PromotionRequest.of(str(diverged.run_root), str(target), **options))  # noqa: E731
     with pytest.raises(CheckpointError, match=f"{DIVERGED} in .*--on-nonfinite warn"):
         promote()  # fail is promote's default
     assert not target.exists()
@@ -115,7 +116,7 @@ def test_promote_refuses_them_even_from_groups_cached_by_a_warn_run(prefect_serv
 
     # every group is a cache hit now (warn/fail is not in the cache key): the receipts still say NaN
     with pytest.raises(CheckpointError, match=DIVERGED):
-        promote(on_nonfinite="fail", hub_repo="alice/never-pushed")
+        promote(on_nonfinite="fail", hub={"repo": "alice/never-pushed"})
 
 
 def test_policy_docstrings():

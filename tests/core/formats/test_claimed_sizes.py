@@ -1,8 +1,8 @@
-"""Sizes come from the files, not from what a file claims (issue 26, item 3).
+"""Sizes come from the files, not from what a file claims.
 
 A world size (`fsdp_config.json`, rank file names), layer numbers in key names, `num_hidden_layers`, a device
 mesh's layout, a DCP `.metadata`'s shapes, chunks and byte ranges are claims; every reader bounds them by what
-the folder holds (`mergecore.formats.claims`) before sizing anything by them.
+the folder holds (`mergecore.numbers.claims`) before sizing anything by them.
 
 The readers run as users run them: the real CLI in a process of its own, under a 3 GiB address-space limit, so
 a reader that sizes anything by a claim dies there (a MemoryError traceback, exit 1) instead of taking the

@@ -551,7 +551,7 @@ def test_hand_written_pickles_round_trip_a_real_file(dist_ckpt, tmp_path):
     assert torch.equal(torch.load(tmp_path / "again.pt", weights_only=True)["w"], saved["w"])
 
 
-# ---- hostile metadata files (issue 18, item 6): every JSON/YAML a merge or verify reads -----------------------
+# ---- hostile metadata files: every JSON/YAML a merge or verify reads ------------------------------------------
 # Each is refused through the real CLI in one line naming the file, exit 2, nothing written. Kept apart from the
 # archive cases above.
 

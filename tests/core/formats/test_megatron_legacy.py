@@ -272,13 +272,13 @@ def test_group_cache_keys_follow_the_pipeline_stage(mcore_copy, tmp_path):
     """Touching a last-stage file invalidates only the groups that stage holds."""
     import os
 
-    from mergecore.engine.fingerprints import group_key
+    from mergecore.engine.fingerprints import unit_key
 
     ckpt = mcore_copy("qwen2", "tp2-pp2")  # layers 0, 1 on pp rank 0; layers 2, 3, norm, lm_head on pp rank 1
 
     def keys():
         prepared = prepare(str(ckpt.role_dir))
-        return {g: group_key(prepared.source, prepared.plan, g, tmp_path) for g in prepared.plan.groups}
+        return {g: unit_key(prepared.source, prepared.plan, g, tmp_path) for g in prepared.plan.groups}
 
     before = keys()
     path = rank_file(ckpt, "mp_rank_01_001")

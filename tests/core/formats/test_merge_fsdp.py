@@ -107,7 +107,8 @@ def test_hsdp_replica_check(demo_copy, tmp_path):
 def test_file_hashes_follow_the_groups_as_they_are_written(demo, tmp_path, order):
     """Each file is hashed front to back as far as its groups are written; the digests are the files' sha256."""
     from mergecore import merge_group, prepare
-    from mergecore.targets.output import BackgroundHashes, sha256_file
+    from mergecore.engine.hashes import BackgroundHashes
+    from mergecore.model.manifest import sha256_file
     from mergecore.engine.writer import prepare_files
 
     prepared = prepare(str(demo("fsdp2-w2").role_dir), max_shard_size="100KB")
@@ -125,7 +126,7 @@ def test_file_hashes_follow_the_groups_as_they_are_written(demo, tmp_path, order
 
 def test_an_abandoned_hasher_stops_its_thread(tmp_path):
     """A failed merge (or a rerun with nothing to write) must not leave a hashing thread waiting for ever."""
-    from mergecore.targets.output import BackgroundHashes
+    from mergecore.engine.hashes import BackgroundHashes
 
     (tmp_path / "a.safetensors").write_bytes(b"x" * 1000)
     with pytest.raises(RuntimeError, match="merge failed"):

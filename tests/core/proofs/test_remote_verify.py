@@ -85,9 +85,12 @@ def test_verify_reads_each_weight_file_by_ranges_holding_one_at_a_time(sharded_m
     assert not (cache / "targets").exists() or not list((cache / "targets").iterdir())
 
 
-def test_verify_remote_rows_equal_those_of_the_local_folder(sharded_model, demo, tmp_path):
+def test_verify_remote_rows_equal_those_of_the_local_folder(sharded_model, s3_env, demo, tmp_path):
+    """One pass over a model reader, whatever the place: the rows of the model on S3 are those of the same merge
+    in a local folder, the manifest and round-trip rows those of the folder's own checks."""
     from mergecore import merge_checkpoint, open_checkpoint, verify_manifest, verify_round_trip
-    from mergecore.proofs.remote_verify import verify_remote
+    from mergecore.proofs.published import verify_model
+    from mergecore.proofs.reader import model_reader
 
     url, weights, shard = sharded_model
     ckpt = demo("fsdp2-w2")
@@ -95,11 +98,15 @@ def test_verify_remote_rows_equal_those_of_the_local_folder(sharded_model, demo,
     merge_checkpoint(str(ckpt.role_dir), local, max_shard_size=shard)
     source = open_checkpoint(str(ckpt.role_dir))
     manifest = json.loads((local / MANIFEST).read_text())
+    remote_manifest = json.loads(s3_env.cat_file(f"{url.removeprefix('s3://')}/{MANIFEST}"))
 
-    rows = verify_remote(url, source)
+    rows = verify_model(model_reader(url), remote_manifest, source)
 
-    assert rows == [verify_manifest(local), verify_round_trip(source, local, manifest.get("aliases", {}))]
+    assert rows == verify_model(model_reader(local), manifest, source)
+    assert [rows[0], rows[-1]] == [verify_manifest(local), verify_round_trip(source, local, manifest.get("aliases", {}))]
     assert rows[0]["files"] == len(manifest["files"])
+    copied = [p.name for p in (ckpt.role_dir / "huggingface").iterdir() if p.name != "config.json"]
+    assert rows[1] == {"check": "copied files", "files": len(copied) + 1, "ok": True}  # and config.json
 
 
 def test_a_weight_object_changed_after_publishing_fails_naming_it(sharded_model, s3_env, s3_reads, cli):
@@ -152,3 +159,30 @@ def test_a_quantized_object_edited_with_its_hash_updated_changed_after_the_merge
     error = result.stderr.strip().splitlines()
     assert len(error) == 1 and f"{url}/{file}: model.layers.1.mlp.down_proj.weight's weight_packed" in error[0], error
     assert "the file changed after the merge" in error[0] and "report" not in error[0]
+
+
+def test_a_copied_object_edited_with_its_hash_updated_fails(sharded_model, s3_env, cli, demo):
+    """tokenizer_config.json replaced on S3 and the manifest's entry updated to match (a tamperer covering their
+    tracks): `verify` compares the files copied from the checkpoint's huggingface/ for a model on object storage too,
+    exit 3 naming the object (was: passed, the remote verify never compared them)."""
+    import hashlib
+
+    url, _, _ = sharded_model
+    root, name = url.removeprefix("s3://"), "tokenizer_config.json"
+    assert (demo("fsdp2-w2").role_dir / "huggingface" / name).is_file()  # a file the merge copied
+    config = json.loads(s3_env.cat_file(f"{root}/{name}"))
+    config["chat_template"] = "{{ 'obey me' }}"
+    data = json.dumps(config).encode()
+    s3_env.pipe_file(f"{root}/{name}", data)
+    manifest = json.loads(s3_env.cat_file(f"{root}/{MANIFEST}"))
+    manifest["files"][name].update(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    s3_env.pipe_file(f"{root}/{MANIFEST}", json.dumps(manifest).encode())
+    s3_env.invalidate_cache()
+    assert cli("verify", url, "--skip-source").exit_code == 0  # the hashes alone cannot tell
+
+    result = cli("verify", url)
+
+    assert result.exit_code == 3, result.output
+    error = result.stderr.strip().splitlines()
+    assert len(error) == 1 and f"{url}/{name}: differs from" in error[0], error
+    assert "the copied file was changed after the merge" in error[0]

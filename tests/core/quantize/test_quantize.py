@@ -19,7 +19,7 @@ from mergecore.errors import CheckpointError, VerificationError
 from mergecore.engine.merge import prepare
 from mergecore.proofs.verify import reference_checks, verify_round_trip
 from mergecore.quantize.kernels import fp8_codes
-from mergecore.targets.output import MANIFEST_FILE
+from mergecore.model.manifest import MANIFEST_FILE
 
 ct = pytest.importorskip("compressed_tensors", reason="the quantize extra (compressed-tensors) is not installed")
 
@@ -282,8 +282,9 @@ def test_a_quantized_merge_imports_no_torch_nor_compressed_tensors(demo, quantiz
             f"merge_checkpoint({str(demo('quant-dense-tied').run_root)!r}, {str(tmp_path / 'out')!r}, quantize='w4a16')\n"
             "print(json.dumps(sorted(m for m in ('torch', 'ml_dtypes', 'transformers', 'compressed_tensors') "
             "if m in sys.modules)))\n")
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])})
+    from helpers import REPO
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []

@@ -1,4 +1,4 @@
-"""What a published folder holds, how it replaces an old one, and what a crash can leave (issue 9, items 1, 2, 4)."""
+"""What a published folder holds, how it replaces an old one, and what a crash can leave."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import threading
 import pytest
 
 from mergecore import CheckpointError, merge_checkpoint, open_target, verify_manifest, verify_round_trip
-from mergecore.targets.output import STAGING_MARKER
+from mergecore.model.folder import STAGING_MARKER
 from mergecore.formats import open_checkpoint
-from mergecore.targets.output import MANIFEST_FILE
+from mergecore.model.manifest import MANIFEST_FILE
 from mergecore.targets.publish import publish, retired_folders
 
 

@@ -1,10 +1,10 @@
-"""An interrupted merge to object storage resumes, and someone else's files at a prefix stay refused (issue 26).
+"""An interrupted merge to object storage resumes, and someone else's files at a prefix stay refused.
 
 Real components only: moto's S3 server on loopback (s3fs talks to it), `ckptflow merge` as a real process killed
 with SIGKILL (its whole process group) once its first weight object appears on the server, and the real target
 API for a run's leftovers. What is arranged is on the server's side, never in ckptflow: time — the store holds
 back the PUTs of the per-file staging records (keys under `.ckptflow-staging/`) until the kill, as a slow store
-may, so the kill lands in the window the issue names (a weight object stored, its record not yet) every time,
+may, so the kill lands in the window that matters (a weight object stored, its record not yet) every time,
 not by luck — and, for the crash after the publish, a store refusing one DELETE.
 """
 
@@ -147,7 +147,7 @@ def test_a_merge_killed_after_its_first_weight_object_resumes(s3_env, s3_endpoin
         held_records(None)
         left = objects(s3_env, prefix)
         assert MANIFEST not in left and set(left) & weights  # no model, and a weight file of this merge
-        assert not [name for name in left if name.startswith(RECORDS)]  # ... and no record of it: the issue's case
+        assert not [name for name in left if name.startswith(RECORDS)]  # ... and no record of it: the window aimed at
 
         rerun = cli("merge", "--local_dir", role_dir, "--target_dir", f"s3://{prefix}", *SHARDS, *overwrite)
         assert rerun.exit_code == 0, rerun.output
@@ -211,9 +211,9 @@ def test_files_beside_a_runs_own_leftovers_are_refused_by_name_and_nothing_is_to
     with target.lock():  # a run that staged and wrote its first file, then died
         target.check(overwrite=False, sources=[str(role_dir)])
         staged = target.stage(prepared, overwrite=False)
-        target.write_unit(prepared, staged["created"][0], staged)
+        target.write_unit(prepared, staged.created[0], staged)
     ours = objects(s3_env, prefix)
-    assert staged["created"][0] in ours
+    assert staged.created[0] in ours
     s3_env.pipe_file(f"{prefix}/their-notes.txt", b"put here by someone else\n")
 
     for overwrite in ((), ("--overwrite",)):

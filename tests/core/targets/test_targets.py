@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mergecore import verify_manifest
-from mergecore.targets.output import MANIFEST_FILE
+from mergecore.model.manifest import MANIFEST_FILE
 
 ROUNDS = 10
 

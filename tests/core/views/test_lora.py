@@ -219,7 +219,7 @@ def test_lora_fuse_writes_no_adapter_and_a_new_alpha_is_not_a_reused_merge(cli, 
 
 def test_dense_lora_merge_imports_transformers_once_per_config(lora_full, tmp_path):
     """The Hub layout is asked of transformers only for names that are not the Hub's (a dense LoRA merge's fused
-    names are); the config check asks it always (issue 18: every family checked by transformers' own model), but
+    names are); the config check asks it always (every family is checked against transformers' own model), but
     its answer is kept per config.json and transformers install: the next merge of the same config imports
     neither torch nor transformers (they cost seconds)."""
     import os
@@ -333,7 +333,8 @@ def test_lora_only_save_fuses_into_a_local_base_model(cli, lora_only, tmp_path):
                  "--base-model", lora_only.reference_dir / "base")
     assert result.exit_code == 0, result.output
     _check_fused(target, lora_only)
-    assert f"| LoRA base model | {lora_only.reference_dir / 'base'} " in (target / "README.md").read_text()
+    card = (target / "README.md").read_text()
+    assert "| LoRA base model | base " in card and str(lora_only.reference_dir) not in card  # named, never its path
     own = torch.load(lora_only.reference_dir / LOGITS_FILE, weights_only=True)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     torch.testing.assert_close(_logits(model, own["input_ids"]), own["logits"], atol=1e-5, rtol=1e-5)
@@ -397,10 +398,11 @@ def test_lora_flag_on_a_plain_checkpoint_is_refused(cli, demo, tmp_path):
 
 def test_promote_publishes_the_fused_model_with_its_adapter(prefect_server, lora_full, tmp_path):
     from ckptflow.flows.promote import promote_checkpoint
+    from ckptflow.flows.requests import PromotionRequest
     from mergecore.storage.tensorio import HfWeights
 
     target = tmp_path / "model"
-    promote_checkpoint(checkpoint=str(lora_full.run_root), target=str(target), dtype="fp32")
+    promote_checkpoint(PromotionRequest.of(str(lora_full.run_root), str(target), dtype="fp32"))
     ref = load_file(lora_full.reference_dir / "model.safetensors")
     with HfWeights(target) as ours:
         assert sorted(ours.names()) == sorted(ref)
@@ -415,10 +417,12 @@ def test_promote_pushes_the_fused_model_and_its_adapter_to_one_repo(prefect_serv
     from transformers import AutoModelForCausalLM
 
     from ckptflow.flows.promote import promote_checkpoint
+    from ckptflow.flows.requests import PromotionRequest
 
     target = tmp_path / "model"
-    result = promote_checkpoint(checkpoint=str(lora_full.run_root), target=str(target), dtype="fp32",
-                                hub_repo="alice/lora-model", revision="step-1", lora_alpha=16.0)
+    result = promote_checkpoint(PromotionRequest.of(str(lora_full.run_root), str(target), dtype="fp32",
+                                                    hub={"repo": "alice/lora-model", "revision": "step-1"},
+                                                    lora={"alpha": 16.0}))
     assert result["hub"]["revision"] == "step-1"
     files = hub.files("alice/lora-model", revision="step-1")
     fused = load_file(lora_full.reference_dir / "model.safetensors")
