@@ -177,6 +177,7 @@ def main() -> None:
     try:
         from prefect import flow
 
+        from ckptflow.flows.requests import PromotionRequest
         from ckptflow.flows.run import in_process_settings, run_promotion
         from mergecore import merge_checkpoint
 
@@ -211,8 +212,8 @@ def main() -> None:
             quiet()
             os.environ["CKPTFLOW_RESULTS"] = str(args.work / f"flow-results-{time.time_ns()}")
             forget_opened_checkpoints()  # as a fresh `ckptflow promote` process: the source opened anew
-            cold.append(timed(lambda: run_promotion(checkpoint=str(role), target=str(out), dtype="bf16")))
-            rerun.append(timed(lambda: run_promotion(checkpoint=str(role), target=str(out), dtype="bf16")))
+            cold.append(timed(lambda: run_promotion(PromotionRequest.of(str(role), str(out), dtype="bf16"))))
+            rerun.append(timed(lambda: run_promotion(PromotionRequest.of(str(role), str(out), dtype="bf16"))))
 
         for i in range(args.repeat):  # bare and flow in alternating order: drift hits both alike
             for sample in (bare_sample, flow_samples) if i % 2 == 0 else (flow_samples, bare_sample):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MERGE_IMPORTS = ("ckptflow.flows.cli", "mergecore", "mergecore.engine.merge", "mergecore.formats.fsdp", "mergecore.formats.torchfile",
-                 "mergecore.formats.untrusted", "mergecore.engine.writer", "mergecore.targets.output", "mergecore.targets.publish",
+                 "mergecore.formats.untrusted", "mergecore.engine.writer", "mergecore.model.manifest", "mergecore.targets.publish",
                  "mergecore.proofs.verify", "mergecore.numbers.arrays", "mergecore.quantize.stream")
 HEAVY = ("torch", "transformers", "ml_dtypes", "prefect", "megatron", "compressed_tensors")
 

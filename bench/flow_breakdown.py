@@ -42,6 +42,7 @@ def main() -> None:
     server, url = bf.start_server(work / "prefect-home")
     os.environ.update(PREFECT_API_URL=url, PREFECT_LOGGING_LEVEL="WARNING")
     try:
+        from ckptflow.flows.requests import PromotionRequest
         from ckptflow.flows.run import run_promotion
         from mergecore import merge_checkpoint
 
@@ -61,7 +62,7 @@ def main() -> None:
             os.environ["CKPTFLOW_RESULTS"] = str(work / f"breakdown-results-{time.time_ns()}")
             bf.forget_opened_checkpoints()
             started = time.time()
-            seconds = bf.timed(lambda: run_promotion(checkpoint=str(role), target=str(out), dtype="bf16"))
+            seconds = bf.timed(lambda: run_promotion(PromotionRequest.of(str(role), str(out), dtype="bf16")))
             timings = json.loads((out / "ckptflow_manifest.json").read_text()).get("timings")
             print(f"cold {seconds:.2f} s, finalize phases {timings}", flush=True)
             runs = asyncio.run(task_runs_since(started))

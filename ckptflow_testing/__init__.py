@@ -6,5 +6,5 @@
 - `megatron_fixtures` / `megatron_dist_fixtures`: legacy and dist_ckpt Megatron checkpoints re-sharded
   from Hugging Face models with mergecore's own transforms. Being the merge run backwards, they are
   evidence for nothing about the layout: tests use them for damaged or odd inputs only; layout
-  evidence comes from checkpoints saved by real megatron-core (tests/mcore_save.py).
+  evidence comes from checkpoints saved by real megatron-core (tests/mcore_dist_save.py).
 """

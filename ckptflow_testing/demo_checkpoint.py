@@ -1,6 +1,6 @@
 """Write a small but real verl-format FSDP checkpoint for tests and demos.
 
-Long (~1000 lines) because one spawn of real gloo ranks writes every kind the suite needs in one go (every
+Long because one spawn of real gloo ranks writes every kind the suite needs in one go (every
 FSDP wrapping verl uses, LoRA, critics, and a model per family; the family models' own configs are in
 `family_models.py`): starting ranks costs more than the rest, so the writer is one piece.
 

@@ -3,9 +3,9 @@
 Flag spellings follow verl's `python -m verl.model_merger` (`--local_dir`, `--target_dir`, ...,
 dashed forms too), so verl users switch by changing the program name.
 
-Long (~630 lines) because it is the whole command surface, each command a thin parse-build-call: options are
-turned into a `MergeRequest` (mergecore.request) or handed to a flow here and nowhere else, so one file shows
-every flag a user can pass. The work itself lives in mergecore and the flows.
+Long because it is the whole command surface, each command a thin parse-build-call: options are
+turned into a `MergeRequest` (mergecore.request) or a flow's `PromotionRequest` (flows/requests.py) here and
+nowhere else, so one file shows every flag a user can pass. The work itself lives in mergecore and the flows.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ QUANTIZE = typer.Option(None, "--quantize", help="Publish quantized: fp8-block (
                         "w4a16 (compressed-tensors pack-quantized, group 128); decoder Linear weights only (docs/quantization.md).")
 QUANTIZE_IGNORE = typer.Option(None, "--quantize-ignore", help="With --quantize: keep modules matching this pattern "
                                "unquantized (fnmatch on the module name, e.g. '*.layers.0.*'); repeatable.")
+MAX_SHARD_SIZE = typer.Option("5GB", "--max-shard-size", "--max_shard_size", help="Largest output file, e.g. 5GB.")
+HUB_TOKEN_SECRET = typer.Option(None, "--hub-token-secret", help="Prefect Secret block holding the Hub token (default: HF_TOKEN).")
 NONFINITE_HELP = "NaN/Inf in the converted weights: fail (exit 2, nothing published) or warn (publish, list them in the manifest)."
 CPU_INIT = typer.Option(False, "--use_cpu_initialization", "--use-cpu-initialization", hidden=True, help="Accepted for verl compatibility; ckptflow always merges on CPU.")
 
@@ -185,9 +187,9 @@ def run_merge(request, source, is_value_model: bool = False) -> dict:
 
     prepared = prepare(request, source)
     check_value_model(is_value_model, prepared.config)
-    unit = open_target(request.where.target).unit
-    units = prepared.plan.files if unit == "files" else prepared.plan.groups
-    with _progress(unit) as progress:
+    place = open_target(request.where.target)
+    units = place.units(prepared.plan)
+    with _progress(place.unit) as progress:
         bar = progress.add_task("merging", total=len(units))
 
         def advanced(unit: str, receipt: dict) -> None:
@@ -221,7 +223,7 @@ def merge(
     role: str = ROLE,
     hf_model_path: Optional[str] = HF_MODEL_PATH,
     dtype: str = DTYPE,
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", "--max_shard_size", help="Largest output file, e.g. 5GB."),
+    max_shard_size: str = MAX_SHARD_SIZE,
     tie_word_embedding: bool = TIE,
     is_value_model: bool = VALUE_MODEL,
     trust_remote_code: bool = TRUST_REMOTE_CODE,
@@ -437,11 +439,11 @@ def promote(
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub branch, e.g. step-1000 (created if missing)."),
     tag: Optional[str] = typer.Option(None, "--tag", help="Also tag the pushed revision."),
     private: bool = typer.Option(True, "--private/--public", help="Visibility of a newly created Hub repo (default private)."),
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size"),
+    max_shard_size: str = MAX_SHARD_SIZE,
     role: str = ROLE,
     backend: str = BACKEND,
     hf_model_path: Optional[str] = HF_MODEL_PATH,
-    hub_token_secret: Optional[str] = typer.Option(None, "--hub-token-secret", help="Prefect Secret block holding the Hub token (default: HF_TOKEN)."),
+    hub_token_secret: Optional[str] = HUB_TOKEN_SECRET,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a target holding a different merge."),
     custom_mapping: Optional[str] = CUSTOM_MAPPING,
     trust_remote_code: bool = TRUST_REMOTE_CODE,
@@ -465,7 +467,7 @@ def promote(
     A LoRA checkpoint is published as its fused model; by default with its PEFT adapter in lora_adapter/
     (pushed inside the same repo)."""
     require_pipeline("promote")
-    from ckptflow.flows.engines import check_engine_options
+    from ckptflow.flows.requests import PromotionRequest
     from ckptflow.flows.run import run_promotion
     from mergecore import open_target
 
@@ -473,16 +475,15 @@ def promote(
         refuse("--revision, --tag and --hub-token-secret only apply with --hub-repo ORG/NAME")
     if trust_remote_code and not reference:
         refuse("--trust-remote-code applies to the logits check against --reference: add --reference FOLDER")
-    check_engine_options(task_runner, dask_address, dask_workers)
-
-    result = run_promotion(checkpoint=checkpoint, target=target, dtype=dtype, reference=reference, hub_repo=hub_repo,
-                           revision=revision, private=private, max_shard_size=max_shard_size, role=role,
-                           backend=backend, hf_dir=hf_model_path, tag=tag, hub_token_secret=hub_token_secret,
-                           overwrite=overwrite, custom_mapping=custom_mapping, trust_remote_code=trust_remote_code,
-                           on_nonfinite=on_nonfinite, lora=lora, lora_alpha=lora_alpha, lora_r=lora_r,
-                           target_modules=target_modules, base_model=base_model, task_runner=task_runner,
-                           dask_address=dask_address, dask_workers=dask_workers, quantize=quantize,
-                           quantize_ignore=quantize_ignore or None)
+    hub = {"repo": hub_repo, "revision": revision, "private": private, "tag": tag, "token_secret": hub_token_secret}
+    request = PromotionRequest.of(  # every flag, checked as it is built: a bad one is one line before Prefect starts
+        checkpoint, target, role=role, backend=backend, hf_dir=hf_model_path, custom_mapping=custom_mapping,
+        lora={"output": lora, "alpha": lora_alpha, "r": lora_r, "target_modules": target_modules, "base_model": base_model},
+        dtype=dtype, max_shard_size=max_shard_size, on_nonfinite=on_nonfinite, quantize=quantize,
+        quantize_ignore=quantize_ignore or None, overwrite=overwrite, reference=reference,
+        trust_remote_code=trust_remote_code, hub=hub if hub_repo else None, task_runner=task_runner,
+        dask_address=dask_address, dask_workers=dask_workers)
+    result = run_promotion(request)
     warn_nonfinite(result.get("nonfinite", {}))
     print_checks(result["checks"])
     cached = result["cached_groups"]
@@ -531,16 +532,18 @@ def promote_latest_command(
     keep_last_n: Optional[int] = typer.Option(None, "--keep-last-n", help="Keep only the newest N promoted folders and Hub branches (never training checkpoints)."),
     role: str = ROLE,
     dtype: str = DTYPE,
-    hub_token_secret: Optional[str] = typer.Option(None, "--hub-token-secret", help="Prefect Secret block holding the Hub token (default: HF_TOKEN)."),
+    hub_token_secret: Optional[str] = HUB_TOKEN_SECRET,
 ):
     """Promote the latest step of each run unless it is already promoted (the target and Hub branch are the ledger)."""
     require_pipeline("promote-latest")
     from ckptflow.flows.latest import promote_latest
+    from ckptflow.flows.requests import PromotionSettings
     from ckptflow.flows.run import first_error, in_process_settings
 
+    settings = PromotionSettings(role=role, how={"dtype": dtype}, hub_token_secret=hub_token_secret)  # checked here
     with in_process_settings():
         state = promote_latest(run_roots=run_roots, target_root=target_root, hub_org=hub_org, keep_last_n=keep_last_n,
-                               role=role, dtype=dtype, hub_token_secret=hub_token_secret, return_state=True)
+                               settings=settings, return_state=True)
     if not state.is_completed():
         raise first_error(state)
     for run, done in state.result().items():

@@ -23,11 +23,12 @@ from prefect import flow, get_run_logger
 
 from mergecore import CheckpointError
 from mergecore.formats.completeness import TRACKER_FILE
-from mergecore.targets.output import MANIFEST_FILE
+from mergecore.model.manifest import MANIFEST_FILE
 from mergecore.storage import Location
 
 from .events import promotion_place
 from .promote import promote_checkpoint
+from .requests import PromotionSettings
 
 _STEP_LEAF = re.compile(r"^step-(\d+)$")
 
@@ -97,17 +98,12 @@ def promote_latest(
     target_root: str,
     hub_org: str | None = None,
     keep_last_n: int | None = None,
-    role: str = "actor",
-    dtype: str = "auto",
-    private: bool = True,
-    max_shard_size: str = "5GB",
-    hub_token_secret: str | None = None,
-    quantize: str | None = None,
-    quantize_ignore: list[str] | None = None,
+    settings: PromotionSettings = PromotionSettings(),
 ) -> dict:
     """For each run root, promote the step its tracker names unless it is already promoted; then apply
-    retention. Returns {run: {step, promoted, target, hub_repo, revision, removed}}. `quantize`, `quantize_ignore`:
-    as promote_checkpoint's (every promotion published quantized)."""
+    retention. Returns {run: {step, promoted, target, hub_repo, revision, removed}}. `settings`: how every
+    promotion merges and pushes (its `role` is also the folder read below global_step_N; `how.quantize`: every
+    promotion published quantized)."""
     from ckptflow.tasks.hub import hub_token
 
     if keep_last_n is not None:
@@ -115,7 +111,7 @@ def promote_latest(
             raise CheckpointError(f"keep_last_n={keep_last_n}: keep at least 1 (or None to keep every promotion)")
         check_apart(run_roots, target_root)
     logger = get_run_logger()
-    token = hub_token(hub_token_secret)
+    token = hub_token(settings.hub_token_secret)
     report = {}
     for root in run_roots:
         run_root = Location.of(root)
@@ -125,10 +121,7 @@ def promote_latest(
         if done:
             logger.info("%s step %s: already promoted at %s", run_root.name, step, place["target"])
         else:
-            promote_checkpoint(checkpoint=run_root.join(f"global_step_{step}", role).url, target=place["target"],
-                               dtype=dtype, hub_repo=place["hub_repo"], revision=place["revision"], private=private,
-                               max_shard_size=max_shard_size, role=role, hub_token_secret=hub_token_secret,
-                               quantize=quantize, quantize_ignore=quantize_ignore)
+            promote_checkpoint(settings.request(run_root.join(f"global_step_{step}", settings.role).url, **place))
         removed = prune(target_root, run_root.name, place["hub_repo"], keep_last_n, token) if keep_last_n else {}
         report[run_root.name] = {"step": step, "promoted": not done, **place, "removed": removed}
     return report

@@ -15,7 +15,7 @@ from pathlib import Path
 from mergecore.describe import shown_view
 from mergecore.picture import checkpoint_layout, render_markdown, write_picture
 from mergecore.storage import Location
-from mergecore.targets.card import markdown_text
+from mergecore.model.card import markdown_text
 from ckptflow.tasks.caching import results_folder
 from mergecore import MergeRequest
 from ckptflow.tasks.sources import opened

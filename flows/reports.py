@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mergecore import MergePlan
-from mergecore.targets.card import markdown_cell_code, markdown_text
+from mergecore.model.card import markdown_cell_code, markdown_text
 
 
 def merge_report(source: dict, plan: MergePlan, receipts: list[dict], cached: list[str], manifest: dict) -> str:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING
 
 from ckptflow.flows.signals import Terminated
 from mergecore import CheckpointError, VerificationError
+
+if TYPE_CHECKING:  # the annotation only: the flow's modules (Prefect, pydantic) load when a promotion runs
+    from ckptflow.flows.requests import PromotionRequest
 
 
 # The temporary server must answer within this many seconds; Prefect's 20 s is missed on a busy machine
@@ -78,20 +82,17 @@ def server_start_error() -> CheckpointError:
 _ADJUSTED: dict = {}  # id(settings in force) -> (those settings, the same with our defaults, or None: all set)
 
 
-def run_promotion(**parameters) -> dict:
-    """Run `promote_checkpoint` in this process and return its result.
+def run_promotion(request: PromotionRequest) -> dict:
+    """Run `promote_checkpoint` on `request` in this process and return its result.
 
-    Bad parameter values are refused first, before Prefect starts (`promotion_request`, `promotion_hub`). Without PREFECT_API_URL,
-    Prefect starts its temporary local server. A failed run raises the
-    task's own error (CheckpointError: bad input; VerificationError: not equal) so the CLI can
-    print its one line and exit non-zero.
+    The request was checked as it was built (flows/requests.py), so a bad value never starts Prefect. Without
+    PREFECT_API_URL, Prefect starts its temporary local server. A failed run raises the task's own error
+    (CheckpointError: bad input; VerificationError: not equal) so the CLI can print its one line and exit non-zero.
     """
-    from ckptflow.flows.promote import promote_checkpoint, promotion_hub, promotion_parameters, promotion_request
+    from ckptflow.flows.promote import promote_checkpoint
 
-    checked = promotion_parameters(**parameters)
-    promotion_request(checked), promotion_hub(checked)  # a bad value: one line now, before Prefect starts
     with in_process_settings():
-        state = promote_checkpoint(**parameters, return_state=True)
+        state = promote_checkpoint(request, return_state=True)
     if state.is_completed():
         return state.result()
     raise first_error(state)

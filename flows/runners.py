@@ -1,9 +1,9 @@
-"""Where merge_group tasks run: threads of the flow's process, or the processes of a Dask cluster.
+"""Where merge_unit tasks run: threads of the flow's process, or the processes of a Dask cluster.
 
     runner = group_task_runner("dask", dask_workers=2, target="/models/step-100")
     merge_checkpoint.with_options(task_runner=runner)(request)
 
-Only merge_group (merge_file for an object-storage target) is submitted to the runner; discovery,
+Only merge_unit is submitted to the runner; discovery,
 planning, staging and finalize (which takes the publish lock) run in the flow's own process. Workers must
 reach the same results folder (cache records and locks, see tasks/caching.py) and, for a local target, the
 same staging folder: on one machine they do; across machines, a shared file system (CKPTFLOW_RESULTS on
@@ -23,11 +23,11 @@ THREADS = 2  # groups merged at once by the default runner
 CONNECT_SECONDS = 5.0
 
 
-def check_engine_options(task_runner: str, dask_address: str | None, dask_workers: int | None) -> None:
+def check_runner_options(task_runner: str, dask_address: str | None, dask_workers: int | None) -> None:
     """One-line refusal of a runner choice that cannot work; nothing is contacted.
 
-    >>> check_engine_options("dask", "tcp://10.0.0.5:8786", None)  # an existing cluster
-    >>> check_engine_options("dask", None, 4)  # a LocalCluster of 4 processes
+    >>> check_runner_options("dask", "tcp://10.0.0.5:8786", None)  # an existing cluster
+    >>> check_runner_options("dask", None, 4)  # a LocalCluster of 4 processes
     """
     if task_runner not in TASK_RUNNERS:
         raise CheckpointError(f"--task-runner {task_runner}: choose one of {', '.join(TASK_RUNNERS)}")
@@ -78,7 +78,7 @@ def seen_from_workers(path: str | None) -> str | None:
 def group_task_runner(task_runner: str, dask_address: str | None = None, dask_workers: int | None = None):
     """The task runner for merge_group: a thread pool, or a DaskTaskRunner on `dask_address` or on a
     LocalCluster of `dask_workers` processes (default 2) that lives as long as the merge."""
-    check_engine_options(task_runner, dask_address, dask_workers)
+    check_runner_options(task_runner, dask_address, dask_workers)
     if task_runner == "threads":
         from prefect.task_runners import ThreadPoolTaskRunner
 

@@ -26,6 +26,7 @@ from mergecore.hub import check_repo_id
 
 from .events import UploadedCheckpoint, promotion_place, step_and_run, step_branch
 from .promote import promote_checkpoint
+from .requests import PromotionSettings
 
 _BRANCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}")
 
@@ -173,28 +174,19 @@ def promote_uploaded(
     checkpoint_root: str | None = None,
     revision_pattern: str | None = None,
     event_id: str | None = None,
-    dtype: str = "auto",
-    private: bool = True,
-    max_shard_size: str = "5GB",
-    role: str = "actor",
-    backend: str = "auto",
-    hub_token_secret: str | None = None,
-    on_nonfinite: str = "fail",
-    quantize: str | None = None,
-    quantize_ignore: list[str] | None = None,
+    settings: PromotionSettings = PromotionSettings(),
 ):
     """Promote the checkpoint an event announced, if it lies below the deployment's checkpoint root, inside its
     target root and Hub organisation, to the derived branch (or one its revision pattern allows).
 
-    `event_id` is the event that asked for this run (`ckptflow notify --wait` finds the run by it). The final
-    state's message says where the model is. `quantize`/`quantize_ignore`: as promote_checkpoint's (a deployment
-    that publishes quantized models, docs/quantization.md)."""
+    The parameters stay flat where the trigger's templates fill them (the event's checkpoint, step, run, target,
+    hub_repo, revision, and `event_id`: the event that asked for this run, by which `ckptflow notify --wait` finds
+    it) and where `ckptflow deploy` sets the boundary (target_root, hub_org, checkpoint_root, revision_pattern);
+    how every promotion merges and pushes (dtype, quantize, ..., docs/quantization.md) is the deployment's
+    `settings`. The final state's message says where the model is."""
     place = event_place(checkpoint, target_root, hub_org, step, run, target, hub_repo, revision, revision_pattern)
     source = inside_checkpoint_root(checkpoint, checkpoint_root)  # the event's fields were checked by event_place
-    result = promote_checkpoint(checkpoint=source, **place, dtype=dtype, private=private,
-                                max_shard_size=max_shard_size, role=role, backend=backend,
-                                hub_token_secret=hub_token_secret, on_nonfinite=on_nonfinite, quantize=quantize,
-                                quantize_ignore=quantize_ignore)
+    result = promote_checkpoint(settings.request(source, **place))
     return Completed(message=where_message(result), data=result)
 
 

@@ -45,13 +45,13 @@ FAMILIES = {
 # tests that count who read which bytes.
 WEIGHT_HEAVY = {"fsdp2-w2-vocab8k": DemoSpec(vocab_size=8192)}
 
-# Dims that are multiples of 128, as quantized exports need (tests/test_quantize.py): dense (tied) and MoE.
+# Dims that are multiples of 128, as quantized exports need (tests/core/quantize/test_quantize.py): dense (tied), MoE.
 QUANTIZABLE = {
     "quant-dense-tied": DemoSpec(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
                                  tie_word_embeddings=True),
     "quant-moe": DemoSpec(arch="qwen3_moe", hidden_size=128, intermediate_size=512, num_attention_heads=2,
                           num_key_value_heads=2),
-    # LoRA fused then quantized (tests/core/engine/test_quantize_sources.py): the LoRA fixtures' hidden 64 is too small
+    # LoRA fused then quantized (tests/core/quantize/test_quantize_sources.py): the LoRA fixtures' hidden 64 is too small
     "quant-lora": DemoSpec(lora=True, hidden_size=128, intermediate_size=256, num_attention_heads=2,
                            num_key_value_heads=2),
 }

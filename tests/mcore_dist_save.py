@@ -39,7 +39,7 @@ import warnings
 
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, PADDED_VOCAB = 4, 64, 4, 2, 128, 300, 384
 # kind -> (hidden, heads, query groups, ffn) where it differs from the above. quant: Qwen2-like with every Linear
-# dim a multiple of 128 (head_dim 64, q/k/v 128 rows each), as quantized exports need (tests/core/engine/test_quantize*.py)
+# dim a multiple of 128 (head_dim 64, q/k/v 128 rows each), as quantized exports need (tests/core/quantize/test_quantize*.py)
 SIZES = {"quant": (128, 2, 2, 256)}
 TOKENS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
 

@@ -38,6 +38,29 @@ def test_deployment_matches_the_flow(deployment):
     assert deployment["work_pool"]["name"]
 
 
+@pytest.mark.parametrize("deployment", SPEC["deployments"], ids=lambda d: d["name"])
+def test_deployment_parameters_are_what_the_flow_takes(deployment):
+    """The server's own check of a deployment's parameters (`ckptflow deploy` enforces the schema), and, where
+    they are the whole of a run's (a schedule's; a trigger's with an event's fields), the flow's check: the
+    request or settings they hold build, every value passing the library's rules."""
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools import validate
+
+    flow = flow_of(deployment["entrypoint"])
+    parameters = deployment.get("parameters", {})
+    validate(parameters, parameter_schema(flow).model_dump(exclude_unset=True), raise_on_error=True,
+             ignore_required=True)
+    complete = [dict(parameters)] if deployment.get("schedules") else []
+    for _ in deployment.get("triggers", []):
+        complete.append({**parameters, "checkpoint": "s3://b/run1/global_step_7/actor", "target_root": "/models",
+                         "checkpoint_root": "s3://b"})
+    for run in complete:
+        checked = flow.validate_parameters(run)
+        for name in ("request", "settings"):
+            if name in parameters:
+                assert checked[name].model_dump(exclude_unset=True) == parameters[name]  # none dropped on the way
+
+
 def test_promote_latest_is_scheduled_but_inactive_until_configured():
     from prefect.client.schemas.schedules import CronSchedule
 

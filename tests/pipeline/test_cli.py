@@ -54,7 +54,7 @@ def test_verify_rechecks_hashes_and_round_trip(cli, demo, tmp_path):
     save_file(weights, weights_file, metadata={"format": "pt"})
     assert cli("verify", out, "--skip-source").exit_code == 3  # hash differs from the manifest
     manifest = json.loads((out / "ckptflow_manifest.json").read_text())
-    from mergecore.targets.output import sha256_file
+    from mergecore.model.manifest import sha256_file
 
     manifest["files"][weights_file.name]["sha256"] = sha256_file(weights_file)
     (out / "ckptflow_manifest.json").write_text(json.dumps(manifest))

@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 from helpers import GROUPS, free_port, merge_group_states, rank_file_bytes
 
 from ckptflow.flows.promote import promote_checkpoint
+from ckptflow.flows.requests import PromotionRequest
 
 MERGED_BY = re.compile(r"group (\S+) merged by process (\d+) on (\S+)")
 DESCRIBES_THE_RUN = ("ckptflow_manifest.json", "README.md")  # the manifest and card record the checks run
@@ -26,7 +27,7 @@ DESCRIBES_THE_RUN = ("ckptflow_manifest.json", "README.md")  # the manifest and 
 def by_threads(prefect_server, demo, tmp_path_factory):
     """The demo checkpoint promoted with the default thread runner: the bytes Dask must reproduce."""
     target = tmp_path_factory.mktemp("threads") / "model"
-    promote_checkpoint(checkpoint=str(demo("fsdp2-w2").run_root), target=str(target))
+    promote_checkpoint(PromotionRequest.of(str(demo("fsdp2-w2").run_root), str(target)))
     return target
 
 

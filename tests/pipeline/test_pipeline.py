@@ -12,19 +12,20 @@ import shutil
 import pytest
 
 from ckptflow.flows.promote import promote_checkpoint
+from ckptflow.flows.requests import PromotionRequest
 from helpers import GROUPS, merge_group_states
 from mergecore import merge_checkpoint
 from mergecore.engine.writer import TensorWriter
 
 
-def promote(ckpt, target, **options):
-    return promote_checkpoint(checkpoint=str(ckpt.run_root), target=str(target), **options)
+def promote(ckpt, target, return_state=False, **options):
+    return promote_checkpoint(PromotionRequest.of(str(ckpt.run_root), str(target), **options), return_state=return_state)
 
 
 def test_interrupted_promotion_resumes_and_reruns_are_free(prefect_server, hub, demo, tmp_path, monkeypatch):
     ckpt = demo("fsdp2-w2")
     target = tmp_path / "model"
-    options = dict(reference=str(ckpt.reference_dir), hub_repo="alice/run1", revision="step-1", tag="v1")
+    options = dict(reference=str(ckpt.reference_dir), hub={"repo": "alice/run1", "revision": "step-1", "tag": "v1"})
 
     write = TensorWriter.write_rows  # every merge writes through it, in row blocks
 
@@ -180,6 +181,7 @@ def test_promote_command(prefect_server, cli, demo, demo_copy, tmp_path):
 KILLED_DURING = """
 import os, signal, sys
 from mergecore.engine.writer import TensorWriter
+from ckptflow.flows.requests import PromotionRequest
 from ckptflow.flows.run import run_promotion
 
 write = TensorWriter.write_rows  # every merge writes through it, in row blocks
@@ -188,7 +190,7 @@ def die_in(self, planned, start, tensor):
         os.kill(os.getpid(), signal.SIGKILL)  # no handler, no cleanup: an OOM kill or a lost node
     return write(self, planned, start, tensor)
 TensorWriter.write_rows = die_in
-run_promotion(checkpoint=sys.argv[1], target=sys.argv[2])
+run_promotion(PromotionRequest.of(sys.argv[1], sys.argv[2]))
 """
 
 

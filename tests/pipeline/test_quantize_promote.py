@@ -21,11 +21,12 @@ def test_promote_publishes_the_quantized_model_verified(prefect_server, demo, tm
     weight; the rest is the trained model in bf16; the config's ignore list names layer 0; the round trip and
     transformers' loader (logits within the scheme's KL threshold) ran before the folder was published."""
     from ckptflow.flows.promote import promote_checkpoint
+    from ckptflow.flows.requests import PromotionRequest
 
     ckpt = demo("quant-dense-tied")
     target = tmp_path / "model"
-    result = promote_checkpoint(checkpoint=str(ckpt.run_root), target=str(target), quantize="w4a16",
-                                quantize_ignore=["*.layers.0.*"], reference=str(ckpt.reference_dir))
+    result = promote_checkpoint(PromotionRequest.of(str(ckpt.run_root), str(target), quantize="w4a16",
+                                                    quantize_ignore=["*.layers.0.*"], reference=str(ckpt.reference_dir)))
     checks = {c["check"]: c for c in result["checks"]}
     assert checks["round-trip"]["ok"] and checks["round-trip"]["scheme"] == "w4a16"
     assert checks["round-trip"]["quantized"] == 7
@@ -40,8 +41,9 @@ def test_promote_publishes_the_quantized_model_verified(prefect_server, demo, tm
 
 def test_event_and_schedule_flows_pass_quantize_on(prefect_server, demo, tmp_path):
     """promote-on-upload (promote_uploaded) and promote-latest-nightly (promote_latest) take `quantize` and
-    `quantize_ignore` as deployment parameters, and the folder they publish is quantized by that scheme."""
+    `quantize_ignore` in their deployment's `settings`, and the folder they publish is quantized by that scheme."""
     from ckptflow.flows.latest import promote_latest
+    from ckptflow.flows.requests import PromotionSettings
     from ckptflow.flows.service import promote_uploaded
 
     run_root = tmp_path / "ckpts" / "run1"
@@ -50,13 +52,15 @@ def test_event_and_schedule_flows_pass_quantize_on(prefect_server, demo, tmp_pat
 
     uploaded = promote_uploaded(checkpoint=str(run_root / "global_step_1" / "actor"), target_root=str(tmp_path / "up"),
                                 checkpoint_root=str(tmp_path / "ckpts"),
-                                quantize="fp8-block", quantize_ignore=["*.mlp.*"], return_state=True)
+                                settings=PromotionSettings(how={"quantize": "fp8-block", "quantize_ignore": ["*.mlp.*"]}),
+                                return_state=True)
     assert uploaded.is_completed(), uploaded.message
     folder = tmp_path / "up" / "run1" / "step-1"
     assert assert_decodes_within_bound(folder, trained, "fp8-block", torch.bfloat16) == 2 * 4  # attention only
     assert json.loads((folder / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
 
-    latest = promote_latest(run_roots=[str(run_root)], target_root=str(tmp_path / "nightly"), quantize="w8a16")
+    latest = promote_latest(run_roots=[str(run_root)], target_root=str(tmp_path / "nightly"),
+                            settings=PromotionSettings(how={"quantize": "w8a16"}))
     folder = tmp_path / "nightly" / "run1" / "step-1"
     assert latest["run1"]["promoted"]
     assert assert_decodes_within_bound(folder, trained, "w8a16", torch.bfloat16) == 2 * 7

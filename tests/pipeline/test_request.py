@@ -1,5 +1,5 @@
 """One typed request built at the edge; the promotion DAG passing data; one open of the checkpoint per promotion;
-the public API's examples running (issue 19, items 3 and 4)."""
+the public API's examples running unskipped."""
 
 from __future__ import annotations
 
@@ -157,14 +157,15 @@ RERUN = """
 import json, pickle, sys
 from prefect.logging import disable_run_logger
 from mergecore import MergeRequest
-from ckptflow.tasks import merge_group
+from ckptflow.tasks import merge_unit
 
 inputs = pickle.loads(open(sys.argv[1], "rb").read())
 request = MergeRequest.from_dict(json.loads(inputs["request"]))
 try:
   with disable_run_logger():  # the task's body alone, outside any flow run
-    for group in inputs["plan"].groups:
-        merge_group.fn(request, json.loads(inputs["discovered"]), inputs["plan"], group, inputs["staging"])
+    for group in inputs["planned"].plan.groups:
+        merge_unit.fn(request, json.loads(inputs["discovered"]), inputs["validated"], inputs["planned"], group,
+                      inputs["staged"])
 except Exception as error:
     print("refused:", error)
     sys.exit(2)
@@ -172,23 +173,23 @@ except Exception as error:
 
 
 def rerun_groups_in_fresh_process(steps, tmp_path) -> subprocess.CompletedProcess:
-    request, discovered, _, planned, staged = steps
+    request, discovered, validated, planned, staged = steps
     inputs = tmp_path / "inputs.pickle"
     inputs.write_bytes(pickle.dumps({"request": json.dumps(request.to_dict()), "discovered": json.dumps(discovered),
-                                     "plan": planned.plan, "staging": staged["staging"]}))
+                                     "validated": validated, "planned": planned, "staged": staged}))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / ".shim"), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-c", RERUN, str(inputs)], capture_output=True, text=True, env=env,
                           timeout=300)
 
 
-def test_merge_group_reruns_in_a_fresh_process_from_its_inputs_alone(demo, steps, tmp_path):
+def test_merge_unit_reruns_in_a_fresh_process_from_its_inputs_alone(demo, steps, tmp_path):
     """No per-process cache is needed: a new process given only the task's inputs writes the trained weights."""
     _, _, _, planned, staged = steps
     done = rerun_groups_in_fresh_process(steps, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     written = {}
     for file in planned.plan.files:
-        written.update(load_file(str(Path(staged["staging"]) / file)))
+        written.update(load_file(str(Path(staged.staging) / file)))
     reference = {}
     for file in demo("fsdp2-w2").reference_dir.glob("*.safetensors"):
         reference.update(load_file(str(file)))
@@ -216,6 +217,7 @@ def test_a_rerun_refuses_files_changed_since_discovery(demo_copy, tmp_path):
 
 def test_a_promotion_opens_each_rank_file_once(prefect_server, demo, tmp_path, monkeypatch):
     from ckptflow.flows.promote import promote_checkpoint
+    from ckptflow.flows.requests import PromotionRequest
 
     role = demo("fsdp2-w2").role_dir
     opened = collections.Counter()
@@ -227,7 +229,7 @@ def test_a_promotion_opens_each_rank_file_once(prefect_server, demo, tmp_path, m
         return real_open(file, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", counting_open)
-    result = promote_checkpoint(checkpoint=str(role), target=str(tmp_path / "model"), dtype="keep")
+    result = promote_checkpoint(PromotionRequest.of(str(role), str(tmp_path / "model"), dtype="keep"))
     assert all(check["ok"] for check in result["checks"])
     assert opened == {"model_world_size_2_rank_0.pt": 1, "model_world_size_2_rank_1.pt": 1}, opened
 

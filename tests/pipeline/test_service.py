@@ -109,7 +109,7 @@ def test_the_flow_refuses_before_reading_or_writing_anything(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-# --- the source boundary and the branch rule (issue 17, item 9) ------------------------------------------------
+# --- the branch rule (the Hub revisions an event may push to) and the source boundary (checkpoints below the root)
 
 @pytest.mark.parametrize("revision", ["main", "refs/heads/main", "refs/pr/1", "refs/heads/step-1000", "step-999",
                                       "step-1000/../main", "latest"])

@@ -34,11 +34,13 @@ def test_a_ui_retry_resumes_a_failed_promotion(prefect_server, hub, demo, tmp_pa
     from prefect.settings import PREFECT_API_URL
 
     from ckptflow.flows.promote import promote_checkpoint
+    from ckptflow.flows.requests import PromotionRequest
     from helpers import merge_group_states
 
     ckpt = demo("fsdp2-w2")
     target = tmp_path / "model"
-    parameters = dict(checkpoint=str(ckpt.run_root), target=str(target), hub_repo="alice/retried", revision="step-1")
+    request = PromotionRequest.of(str(ckpt.run_root), str(target), hub={"repo": "alice/retried", "revision": "step-1"})
+    parameters = {"request": request}  # stored as JSON, as the UI's form sends it
     with get_client(sync_client=True) as client:
         flow_run = client.create_flow_run(promote_checkpoint, parameters=parameters)
 

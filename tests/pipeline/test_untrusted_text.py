@@ -13,7 +13,7 @@ import shutil
 import pytest
 from markdown_it import MarkdownIt
 
-from mergecore.targets.card import markdown_text
+from mergecore.model.card import markdown_text
 
 HOSTILE = "run<b>x</b>\n![m](http://127.0.0.1:9/pixel.png) | y"
 
