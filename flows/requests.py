@@ -117,7 +117,7 @@ class HubPush(Part):
 
 
 class Runner(Part):
-    """Where the groups are merged: threads of this process, or a Dask cluster (flows/runners.py)."""
+    """Where the units are merged: threads of this process, or a Dask cluster (flows/runners.py)."""
 
     task_runner: str = Field("threads", description="threads, or dask")
     dask_address: str | None = Field(None, description="scheduler of an existing Dask cluster, tcp://HOST:PORT")
