@@ -85,7 +85,7 @@ def test_verify_reads_each_weight_file_by_ranges_holding_one_at_a_time(sharded_m
     assert not (cache / "targets").exists() or not list((cache / "targets").iterdir())
 
 
-def test_verify_remote_rows_equal_those_of_the_local_folder(sharded_model, s3_env, demo, tmp_path):
+def test_remote_verify_rows_equal_those_of_the_local_folder(sharded_model, s3_env, demo, tmp_path):
     """One pass over a model reader, whatever the place: the rows of the model on S3 are those of the same merge
     in a local folder, the manifest and round-trip rows those of the folder's own checks."""
     from mergecore import merge_checkpoint, open_checkpoint, verify_manifest, verify_round_trip
