@@ -159,9 +159,9 @@ class MergeTarget:
 
     def __post_init__(self):
         checked_path(self.target, "target")
-        if own_name_in(self.target):
-            raise CheckpointError(f"target {self.target!r}: {own_name_in(self.target)} is a folder ckptflow keeps for "
-                                  "itself (staging, results, lock); name the model's own folder")
+        if own := own_name_in(self.target):
+            raise CheckpointError(f"target {self.target!r}: {own} is a folder ckptflow keeps for itself (staging, "
+                                  "results, lock); name the model's own folder")
         lock_timeout()  # what a writer waits by, for another writer of this target: refused now if unusable
 
 

@@ -1,4 +1,5 @@
-"""One retry policy for everything that talks to a remote service (object storage, the Hub).
+"""One retry policy for everything that talks to a remote service (object storage, the Hub), and the numeric
+settings read from the environment (`env_number`, `lock_timeout`).
 
 >>> Retries(retries=2, backoff_s=0.5).delay(1)
 1.0
@@ -22,7 +23,11 @@ def env_number(name: str, default, kind):
     """A finite, non-negative number from the environment variable `name` (unset or empty: `default`); anything
     else (`nan`, `inf`, `-5`, `ten`) is a one-line CheckpointError naming the variable.
 
-    >>> os.environ["CKPTFLOW_EXAMPLE_S"] = "nan"; env_number("CKPTFLOW_EXAMPLE_S", 1.0, float)
+    >>> os.environ["CKPTFLOW_EXAMPLE_S"] = "nan"
+    >>> try:
+    ...     env_number("CKPTFLOW_EXAMPLE_S", 1.0, float)
+    ... finally:
+    ...     del os.environ["CKPTFLOW_EXAMPLE_S"]
     Traceback (most recent call last):
       ...
     mergecore.errors.CheckpointError: CKPTFLOW_EXAMPLE_S='nan': not a finite, non-negative float; fix or unset it
@@ -68,6 +73,8 @@ class Retries:
         raise AssertionError("unreachable")
 
 
+# Read here beside the other settings from the environment, so the request (which sits below the targets) can check
+# the value a target's writer will wait by when it is built.
 DEFAULT_LOCK_TIMEOUT_S = 3600.0
 
 
