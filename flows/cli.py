@@ -187,9 +187,9 @@ def run_merge(request, source, is_value_model: bool = False) -> dict:
 
     prepared = prepare(request, source)
     check_value_model(is_value_model, prepared.config)
-    place = open_target(request.where.target)
-    units = place.units(prepared.plan)
-    with _progress(place.unit) as progress:
+    unit = open_target(request.where.target).unit
+    units = prepared.plan.units(unit)
+    with _progress(unit) as progress:
         bar = progress.add_task("merging", total=len(units))
 
         def advanced(unit: str, receipt: dict) -> None:

@@ -22,7 +22,7 @@ from mergecore.numbers.nonfinite import nonfinite_found
 from mergecore.model.card import markdown_text
 from mergecore.engine.hashes import BackgroundHashes
 from mergecore.storage import Location
-from mergecore.targets import open_target
+from mergecore.assembly import assembly_for
 from ckptflow.tasks import (discover_shards, finalize_model, merge_unit, plan_groups, prepare_staging, push_to_hub,
                    run_equivalence_tests, validate_metadata)
 from ckptflow.tasks.caching import results_folder, unit_cache_policy
@@ -42,7 +42,7 @@ def merge_checkpoint(request: MergeRequest, reference: str | None = None, trust_
     discovered = discover_shards(request)
     validated = validate_metadata(request, discovered)
     planned = plan_groups(request, discovered, validated)
-    place = open_target(request.where.target)
+    place = assembly_for(request.where.target)
     with place.lock():
         return merge_under_lock(request, place, discovered, validated, planned, reference, trust_remote_code)
 

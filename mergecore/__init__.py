@@ -24,7 +24,7 @@ import importlib
 from .errors import CheckpointError, VerificationError
 
 _WHERE = {
-    "open_checkpoint": "formats", "MergePlan": "engine.plan", "open_target": "targets",
+    "open_checkpoint": "formats", "MergePlan": "engine.plan", "open_target": "targets", "assembly_for": "assembly",
     **{name: "api" for name in ("merge", "verify", "inspect", "push", "merge_checkpoint", "write_adapter_folder")},
     **{name: "request" for name in ("MergeRequest", "MergeSource", "MergeSettings", "MergeTarget", "LoraSettings")},
     **{name: "engine.merge" for name in ("Prepared", "merge_group", "prepare")},
@@ -34,8 +34,8 @@ _WHERE = {
 __all__ = [
     "merge", "verify", "inspect", "push", "MergeRequest", "MergeSource", "MergeSettings", "MergeTarget",
     "LoraSettings", "CheckpointError", "VerificationError", "MergePlan", "Prepared", "open_checkpoint", "open_target",
-    "prepare", "merge_group", "merge_checkpoint", "write_adapter_folder", "verify_round_trip", "verify_manifest",
-    "compare_with_reference", "compare_logits",
+    "assembly_for", "prepare", "merge_group", "merge_checkpoint", "write_adapter_folder", "verify_round_trip",
+    "verify_manifest", "compare_with_reference", "compare_logits",
 ]
 
 

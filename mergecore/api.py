@@ -1,7 +1,7 @@
 """The library's public entry points, one per thing a user does: `merge`, `verify`, `inspect`, `push` (and
 `write_adapter_folder` for a LoRA adapter alone).
 
-`merge` holds the target's lock from the first check to the publish (`mergecore.targets`), so two writers of one
+`merge` holds the target's lock from the first check to the publish (`mergecore.assembly`), so two writers of one
 target never interleave: the second waits, then finds the first one's model. Each takes plain values (paths, URLs)
 or a `MergeRequest` (`mergecore.request`) built once by the caller.
 
@@ -20,6 +20,7 @@ from pathlib import Path
 from .engine.merge import Prepared, Stopwatch, as_merged, metadata_bytes, open_source, prepare, recorded_source
 from .formats import CheckpointSource
 from .request import MergeRequest, MergeSource
+from .assembly import assembly_for
 from .targets import Target, open_target
 from .targets.base import check_apart
 
@@ -39,8 +40,8 @@ def merge(
     `MergeRequest`, or the checkpoint's path with the request's `options` as keywords (dtype, max_shard_size,
     overwrite, role, lora, ...: `MergeRequest.of`). `on_group(unit, receipt)` follows the groups (files, on object
     storage); `checks(folder)` adds checks (a reference model) before the publish; `prepared`: the request
-    already prepared by the caller. A target that already holds this very merge is reused (its metadata
-    refreshed if it changed).
+    already prepared by the caller, who checked the target before reading the checkpoint. A target that already
+    holds this very merge is reused (its metadata refreshed if it changed).
 
     >>> from ckptflow.testing.examples import example_checkpoint, example_target
     >>> manifest = merge(example_checkpoint(), example_target("merged"), dtype="fp32", max_shard_size="100KB")
@@ -54,21 +55,22 @@ def merge(
     if request.where is None:
         raise TypeError("merge: give a target (the request has none)")
     how, where = request.how, request.where
-    place = open_target(where.target)
+    place = assembly_for(where.target)
     with place.lock():
-        place.check(where.overwrite, [request.what.checkpoint])
         clock = Stopwatch()
-        prepared = prepared or prepare(request)
+        if prepared is None:  # else the caller checked the target before it read the checkpoint (the CLI does)
+            place.target.check(where.overwrite, [request.what.checkpoint])
+            prepared = prepare(request)
         clock.lap("prepare")
         try:
-            staged = place.stage(prepared, where.overwrite, metadata_bytes(prepared.source))  # the source's folders too
+            staged = place.stage(prepared, where.overwrite, metadata_bytes(prepared.source))  # the check that counts
             if staged.published:
                 return place.refresh(prepared, verify=how.verify, workers=how.workers, checks=checks)
             return place.merge(prepared, staged, overwrite=where.overwrite, verify=how.verify, workers=how.workers,
                                on_unit=on_group, on_tensor=on_tensor, on_nonfinite=how.on_nonfinite,
                                chunk_bytes=how.chunk_bytes, extra={"timings": clock.laps}, checks=checks)
         except BaseException:  # a failed check, a signal: no half-made folder stays beside the target
-            place.discard()
+            place.target.discard()
             raise
 
 

@@ -8,7 +8,7 @@ from prefect.cache_policies import NO_CACHE
 
 from mergecore import MergeRequest
 from mergecore.engine.merge import Planned, plan_merge, prepared_from, validate
-from mergecore.targets import open_target
+from mergecore.assembly import assembly_for
 from mergecore.targets.base import Staged
 
 from .sources import discover, opened
@@ -41,7 +41,7 @@ def prepare_staging(request: MergeRequest, discovered: dict, validated: dict, pl
 
     Under the target's lock (the flow holds it from here to the publish; re-entrant in this process).
     """
-    target = open_target(request.where.target)
+    target = assembly_for(request.where.target)
     prepared = prepared_from(request, opened(request, discovered), validated, planned)
     with target.lock():
         return target.stage(prepared, request.where.overwrite, sources=[request.what.checkpoint])

@@ -13,7 +13,7 @@ from mergecore import MergeRequest
 from mergecore.engine.merge import Planned, prepared_from
 from mergecore.numbers.nonfinite import nonfinite_error, nonfinite_found
 from mergecore.engine.hashes import BackgroundHashes
-from mergecore.targets import open_target
+from mergecore.assembly import assembly_for
 from mergecore.targets.base import Staged
 from mergecore.proofs.verify import reference_checks
 
@@ -36,19 +36,19 @@ def _run_name() -> str:
     from prefect.runtime import task_run
 
     given = task_run.parameters
-    return f"merge_{open_target(given['request'].where.target).unit.removesuffix('s')}[{given['unit']}]"
+    return f"merge_{assembly_for(given['request'].where.target).unit.removesuffix('s')}[{given['unit']}]"
 
 
 @task(name="merge_unit", retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_io_error,
       persist_result=True, task_run_name=_run_name)
 def merge_unit(request: MergeRequest, discovered: dict, validated: dict, planned: Planned, unit: str,
                staged: Staged) -> dict:
-    """Merge one unit of the plan into the request's target (`Target.write_unit`): a layer group read from every
+    """Merge one unit of the plan into the request's target (`Assembly.write_unit`): a layer group read from every
     rank and written at its final offsets in the staged files, or, on object storage, one output file streamed,
     read back and checked against the shards. One thread per unit: the task runner runs them side by side."""
     from prefect import get_run_logger
 
-    target = open_target(request.where.target)
+    target = assembly_for(request.where.target)
     prepared = prepared_from(request, opened(request, discovered), validated, planned)
     receipt = target.write_unit(prepared, unit, staged, on_nonfinite=request.how.on_nonfinite,
                                 chunk_bytes=request.how.chunk_bytes)
@@ -73,10 +73,10 @@ def finalize_model(request: MergeRequest, discovered: dict, validated: dict, pla
     """
     prepared = prepared_from(request, opened(request, discovered), validated, planned)
     checks = (lambda folder: reference_checks(folder, Path(reference), trust_remote_code)) if reference else None
-    target, overwrite = open_target(request.where.target), request.where.overwrite
+    target, overwrite = assembly_for(request.where.target), request.where.overwrite
     with target.lock():  # held by the flow since staging (re-entrant): one writer publishes at a time
         if staged.published:  # the receipts are those of the run that wrote it, in its manifest
-            check_nonfinite(request, prepared, (target.manifest() or {}).get("groups_written", []))
+            check_nonfinite(request, prepared, (target.target.manifest() or {}).get("groups_written", []))
             return target.refresh(prepared, checks=checks)
         check_nonfinite(request, prepared, receipts)
         return target.finalize(prepared, staged, receipts, overwrite=overwrite, hashes=hashes, checks=checks)

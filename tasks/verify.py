@@ -7,8 +7,9 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from mergecore.targets import open_target
+from mergecore.proofs.reader import check_published
 from mergecore.proofs.verify import REFERENCE_CHECKS, reference_checks
+from mergecore.targets import open_target
 
 
 @task(name="run_equivalence_tests", cache_policy=NO_CACHE)
@@ -23,9 +24,8 @@ def run_equivalence_tests(target: str, manifest: dict, reference: str | None = N
     results = list(manifest.get("verification", []))
     if manifest.get("reused"):
         results = [r for r in results if not reference or r["check"] not in REFERENCE_CHECKS]
-        place = open_target(target)
-        results.append(place.check_published(manifest))
+        results.append(check_published(target, manifest))
         if reference:
-            with place.local_copy() as folder:
+            with open_target(target).local_copy() as folder:
                 results += reference_checks(folder, Path(reference), trust_remote_code)
     return results

@@ -38,9 +38,9 @@ NOT_OUTPUT_CODE = (
     "families/__init__.py", "families/config_check.py", "numbers/__init__.py", "numbers/claims.py",
     "numbers/nonfinite.py", "proofs/__init__.py", "proofs/remote_verify.py", "proofs/verify.py", "storage/ledger.py",
     "storage/__init__.py", "storage/retries.py", "storage/tensorio.py", "targets/__init__.py", "targets/base.py",
-    "targets/local.py",
-    "targets/lock.py", "targets/publish.py", "targets/remote.py", "views/__init__.py", "proofs/quantized.py",
-    "proofs/published.py", "proofs/reader.py",
+    "targets/local.py", "targets/lock.py", "targets/publish.py", "targets/remote.py", "views/__init__.py",
+    "proofs/quantized.py", "proofs/published.py", "proofs/reader.py", "assembly/__init__.py", "assembly/base.py",
+    "assembly/folder.py", "assembly/object_storage.py",
 )
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # mergecore/
 

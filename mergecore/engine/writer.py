@@ -20,9 +20,8 @@ from ..errors import CheckpointError
 from ..numbers.nonfinite import checked_blocks
 from .plan import MergePlan, PlannedTensor
 from ..quantize.stream import quantized_blocks
-from ..model.folder import clear_strays
+from ..model.folder import PARTIAL_SUFFIX, clear_strays
 
-PARTIAL_SUFFIX = ".ckptflow-partial"  # staging folder of target T: .T.ckptflow-partial beside it
 NO_ROOM = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})  # disk full, file-size limit, quota
 # Room kept for what follows the weights (index, config, manifest, copied tokenizer files: a large
 # tokenizer.json is ~10 MB) when the caller does not know their size.

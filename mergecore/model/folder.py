@@ -18,6 +18,7 @@ from .card import CARD_FILE
 
 INDEX_FILE = "model.safetensors.index.json"
 STAGING_MARKER = ".ckptflow-staging"  # in a staging folder ckptflow made (targets/local.py); never published
+PARTIAL_SUFFIX = ".ckptflow-partial"  # staging folder of target T: .T.ckptflow-partial beside it
 # Weight files in huggingface/ describe the base model, not the trained one: never copied. Nor is its model
 # card: the folder gets its own (card.py), nor its config (rewritten) or a manifest.
 _NOT_COPIED = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".msgpack", ".h5")

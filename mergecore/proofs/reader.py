@@ -195,6 +195,13 @@ def check_manifest(reader: ModelReader, manifest: dict, full: bool = True, defer
     return {"check": "manifest" if full else cheaply, "files": len(files), "ok": True}
 
 
+def check_published(place: str | os.PathLike | Location, manifest: dict) -> dict:
+    """The cheap check of a published model, wherever it is: every file its manifest lists is there with its size
+    (and, in a folder, its modification time), nothing beside them where the place can tell; no byte is read
+    (`ckptflow verify` re-hashes). Returns the result row."""
+    return check_manifest(model_reader(place), manifest, full=False)
+
+
 @contextmanager
 def proven_copy(reader: ModelReader, name: str, entry: dict) -> Iterator[str | Path]:
     """File `name`'s bytes on local disk (`reader.local_copy`), proven to be its manifest `entry`'s: its size first

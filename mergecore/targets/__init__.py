@@ -1,16 +1,15 @@
-"""Where a merged model is published: one interface for a local folder and for object storage.
+"""Where a merged model is published: one storage interface for a local folder and for object storage.
 
 Every writer — the CLI's merge, the pipeline's tasks and Dask workers, the LoRA adapter writer — goes through
 `open_target(url)`, and this module is the only place that asks whether a place is local or remote. A target
-owns what every writer needs: the checks (not overlapping the checkpoint, replacing only an empty folder or a
-model ckptflow published, room), one lock from staging to publish, staging, writing one unit (a layer group
-into a pre-sized local file, or a whole file streamed to object storage), finishing and publishing, and reading
-back the published manifest.
+is storage only: the checks (not overlapping the checkpoint, replacing only an empty folder or a model ckptflow
+published), one lock from staging to publish, staging, reading back the published manifest, and publishing.
+What is written there and how it is proven is `mergecore.assembly`'s.
 
 >>> target = open_target("out/model")                          # doctest: +SKIP
 >>> with target.lock():                                        # doctest: +SKIP
 ...     target.check(overwrite=False, sources=["ckpts/run1"])
-...     staged = target.stage(prepared, overwrite=False)
+...     staging = target.open_staging()
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""What every target checks before anything is written: it does not overlap the checkpoint, and it replaces only
-an empty place or a model ckptflow published (one holding `ckptflow_manifest.json`)."""
+"""What every target is and checks before anything is written: it does not overlap the checkpoint, and it replaces
+only an empty place or a model ckptflow published (one holding `ckptflow_manifest.json`)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,18 @@ import os
 import posixpath
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..errors import CheckpointError, VerificationError
+from ..errors import CheckpointError
 from ..model.manifest import MANIFEST_FILE
 from ..storage import Location
 
 
 @dataclass(frozen=True)
 class Staged:
-    """Where a merge writes, as `Target.stage` prepared it: plain values, so it travels along the pipeline's edges.
+    """Where a merge writes, as `Assembly.stage` prepared it (`mergecore.assembly`): plain values, so it travels along the pipeline's edges.
 
     `staging`: the staged place (a hidden folder beside a local target; the target's URL on object storage);
     `created`: the weight files to write anew (the others hold a finished run's bytes); `published`: the target
@@ -34,32 +34,15 @@ class Staged:
 
 
 class Target:
-    """A place a merged model is published at (see `mergecore.targets`). Subclasses say how."""
+    """A place a merged model is published at: storage only (see `mergecore.targets`). Subclasses say how. What is
+    written there and how it is proven is `mergecore.assembly`'s business."""
 
     url: str
     results_folder: Path  # where the pipeline keeps this target's cached results (a local folder)
-    unit: str  # what one task writes: "groups" (rows at offsets of staged files) or "files" (each streamed whole)
+    unit: str  # what one writer writes: "groups" (rows at offsets of staged files) or "files" (each streamed whole)
 
     def __str__(self) -> str:
         return self.url
-
-    def units(self, plan) -> list[str]:
-        """The units of `plan` this target is written in, each by one `write_unit` (`MergePlan.units`)."""
-        return plan.units(self.unit)
-
-    def rewritten(self, plan, staged: Staged) -> set[str]:
-        """The units to write again, whatever a cache holds: those of the files `stage` must write anew."""
-        created = set(staged.created)
-        return {unit for unit in self.units(plan) if any(t.file in created for t in plan.in_unit(unit))}
-
-    def hashes(self, staged: Staged) -> AbstractContextManager:
-        """What hashes the weight files while units are written (None where each file is hashed as it streams)."""
-        return nullcontext()
-
-    def write_unit(self, prepared, unit: str, staged: Staged, workers: int = 1, on_nonfinite: str = "warn",
-                   on_tensor=None, chunk_bytes=None) -> dict:
-        """Merge one unit of `prepared`'s plan into the staged place; returns its receipt."""
-        raise NotImplementedError
 
     def lock(self) -> AbstractContextManager:
         raise NotImplementedError
@@ -74,59 +57,35 @@ class Target:
         before its first write, never from names alone, and raises for files beside them that no run wrote."""
         return False
 
+    def manifest(self) -> dict | None:
+        """The published model's manifest, or None when the target holds none."""
+        raise NotImplementedError
+
     def open_staging(self, fresh: bool = False):
         raise CheckpointError(f"{self.url}: a folder written in one piece (a LoRA adapter) goes to a local folder "
                               "only; give a local --target_dir and copy it up")
 
+    def discard(self) -> None:
+        """What a failed or interrupted merge leaves is removed (or kept to resume from, where the target says so)."""
+
     def repair(self) -> None:
         """Finish what a crash during an earlier publish left (nothing to do by default)."""
+
+    def local_copy(self) -> AbstractContextManager[Path]:
+        """The published model's files as a local folder (for loaders that read only folders)."""
+        raise NotImplementedError
 
     def check(self, overwrite: bool, sources: Iterable[str] = ()) -> None:
         """Refuse, before anything is read or written: a target that is, contains or lies inside a checkpoint
         folder in `sources`; a non-empty target without `overwrite`; and, even with it, one that holds anything
         but a model ckptflow published or an unfinished merge of its own (`unfinished`). It only looks (repairs
-        are `stage`'s, under the lock), so it may run before the lock is taken, while another writer publishes."""
+        happen when a merge stages, under the lock), so it may run before the lock is taken."""
         for source in sources:
             check_apart(self.url, source)
-        self._check_replaceable(overwrite)
+        self.check_replaceable(overwrite)
 
-    def stage(self, prepared, overwrite: bool, room: int = 0, sources: Iterable[str] = ()) -> Staged:
-        """Where the merge `prepared` writes, after `check`: `published` (nothing to write) when the target already
-        holds this very merge, whatever `overwrite` says; else the staged place, with `created` listing what must
-        be written anew (see the subclasses' `_stage`)."""
-        for source in [*sources, str(prepared.source.location), str(prepared.source.hf_dir)]:
-            check_apart(self.url, source)
-        self.repair()
-        if self.published(prepared, overwrite):
-            return self._already_published(prepared)
-        self._check_replaceable(overwrite)
-        return self._stage(prepared, room)
-
-    def published(self, prepared, overwrite: bool = False) -> dict | None:
-        """The manifest when the target already holds exactly this merge (same inputs, plan and code). With
-        `overwrite` the files must also pass `check_published` — the same check a rerun reports — so a model
-        damaged since it was published is rebuilt, not kept."""
-        from ..engine.fingerprints import weights_id
-
-        manifest = self.manifest()
-        if manifest is None or manifest.get("weights_id") != weights_id(prepared.source, prepared.plan):
-            return None
-        if overwrite:
-            try:
-                self.check_published(manifest)
-            except (VerificationError, CheckpointError):
-                return None
-        return manifest
-
-    def require_manifest(self) -> dict:
-        """The published model's manifest; a target without one is no model (an interrupted or ongoing merge)."""
-        manifest = self.manifest()
-        if manifest is None:
-            raise CheckpointError(f"{self.url}: holds no {MANIFEST_FILE}, so no published model (an interrupted or "
-                                  "ongoing merge); merge it again")
-        return manifest
-
-    def _check_replaceable(self, overwrite: bool) -> None:
+    def check_replaceable(self, overwrite: bool) -> None:
+        """The target is empty, an unfinished merge of ckptflow's, or (with `overwrite`) a model ckptflow published."""
         entries = self.entries()
         if not entries or self.unfinished(entries):
             return
@@ -137,6 +96,14 @@ class Target:
         if not overwrite:
             raise CheckpointError(f"{self.url}: already exists and is not empty; pass --overwrite or choose another "
                                   "--target_dir")
+
+    def require_manifest(self) -> dict:
+        """The published model's manifest; a target without one is no model (an interrupted or ongoing merge)."""
+        manifest = self.manifest()
+        if manifest is None:
+            raise CheckpointError(f"{self.url}: holds no {MANIFEST_FILE}, so no published model (an interrupted or "
+                                  "ongoing merge); merge it again")
+        return manifest
 
 
 def check_apart(target: str, source: str) -> None:

@@ -6,17 +6,17 @@ with the sizes and sha256 it records, are that model.** And, so that a rerun can
 from anyone else's files: **every object a run writes at the target is named in its marker,
 `.ckptflow-staging.json`, before it is written.** A merge into a remote target therefore
 
-1. stages (`stage`): writes the run's marker first (the run, the merge, the planned weight files and what the
+1. stages (`begin_run`): writes the run's marker first (the run, the merge, the planned weight files and what the
    target held that `check` let it replace), then deletes the target's old manifest, so from here on readers see
    no model, never a mix; weight files finished by an interrupted run of this very merge are kept (their records,
    under `.ckptflow-staging/`, match the merge and the stored objects: the very object proven, by size, ETag and
    time, so a partial or rewritten object is written again);
 2. streams each remaining weight file to its final name, reads it back and proves it against the shards
-   (`write_unit`, see `remote_writer`; any machine can write any file, so a cluster writes them in parallel)
-   and records it;
-3. finishes (`finalize`): names the index, config, copied files and card in the marker, uploads them, removes
-   objects an earlier model had, and writes the manifest last: that PUT publishes the model. The records and the
-   marker go after it.
+   (`mergecore.assembly`, with `claim` before and `record` after each file; any machine can write any file, so
+   a cluster writes them in parallel);
+3. publishes (`publish_folder`): names the index, config, copied files and card in the marker, uploads them,
+   removes objects an earlier model had, and writes the manifest last: that PUT publishes the model. The records
+   and the marker go after it.
 
 A crash before the manifest leaves no model, only objects the marker names: the next merge (`unfinished`) resumes
 from the recorded files or, for another merge, replaces them, `--overwrite` or not. Objects the marker does not
@@ -36,12 +36,11 @@ import posixpath
 import socket
 import tempfile
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import CheckpointError, VerificationError
-from ..model.manifest import MANIFEST_FILE
+from ..model.manifest import MANIFEST_FILE, load_manifest
 from ..storage import Location, default_cache_dir, fingerprint_of
 from .base import Staged, Target
 from .lock import target_lock
@@ -125,7 +124,7 @@ class RemoteTarget(Target):
                                   "stands for), or choose another --target_dir")
         return marker
 
-    def _claimed(self, names: list[str], staged: Staged) -> dict:
+    def claim(self, names: list[str], staged: Staged) -> dict:
         """The marker of the run that staged `staged` (same merge; same run when `staged` says which), naming
         `names` too: added, before they are written, when missing. Refused when the marker is gone or another's:
         another run took the target over, or published, since this one staged, and nothing more is written."""
@@ -156,35 +155,25 @@ class RemoteTarget(Target):
 
     def manifest(self) -> dict | None:
         """The target's manifest, or None when it holds no published model."""
-        from ..proofs.verify import load_manifest
-
         return load_manifest(self.location) if self.location.join(MANIFEST_FILE).exists() else None
 
-    def _already_published(self, prepared) -> Staged:
-        from ..engine.fingerprints import weights_id
-
-        return Staged(self.url, published=True, weights_id=weights_id(prepared.source, prepared.plan))
-
-    def _stage(self, prepared, room: int) -> Staged:
-        """The run's marker is written first, naming the planned weight files and everything the target holds now
+    def begin_run(self, merge_id: str, planned: dict[str, int]) -> Staged:
+        """A run of merge `merge_id` (its weight files and their sizes: `planned`) begins. Its marker is written
+        first, naming the planned weight files and everything the target holds now
         (`check` let this run replace it: a model ckptflow published, with overwrite, or an earlier run's leftovers,
         which that run's marker named). Then its old manifest is deleted (readers see no model from here on), and
         `created` lists the weight files to write: all but those an interrupted run of this merge finished (their
         receipts are in `kept`). `run` says which run staged: only it publishes."""
-        from ..engine.fingerprints import weights_id
-
-        merge_id, plan = weights_id(prepared.source, prepared.plan), prepared.plan
         fs, root = self._fs_root
         entries = self.entries() or []
         run = uuid.uuid4().hex
         self._write_marker({"format": MARKER_FORMAT, "run": run, "weights_id": merge_id, "host": socket.gethostname(),
-                            "pid": os.getpid(), "planned": {file: plan.file_size(file) for file in plan.files},
-                            "claimed": sorted({*(e for e in entries if not _bookkeeping(e)), *plan.files})})
+                            "pid": os.getpid(), "planned": dict(planned),
+                            "claimed": sorted({*(e for e in entries if not _bookkeeping(e)), *planned})})
         if MANIFEST_FILE in entries:
             fs.rm_file(posixpath.join(root, MANIFEST_FILE))  # the old model stops being one before any file changes
-        kept = self._finished_files(plan.files, merge_id)
-        return Staged(self.url, created=[f for f in plan.files if f not in kept], kept=kept, weights_id=merge_id,
-                      run=run)
+        kept = self._finished_files(list(planned), merge_id)
+        return Staged(self.url, created=[f for f in planned if f not in kept], kept=kept, weights_id=merge_id, run=run)
 
     def discard(self) -> None:
         """Nothing to remove: files written so far stay recorded, so the next run of this merge resumes."""
@@ -207,89 +196,30 @@ class RemoteTarget(Target):
                 kept[file] = receipt  # written, stored and checked (one written without the check is written again)
         return kept
 
-    def write_unit(self, prepared, file: str, staged: Staged, workers: int = 1, on_nonfinite: str = "warn",
-                   on_tensor=None, chunk_bytes=None, verify: bool = True) -> dict:
-        """Write, check and record one weight file of `prepared`'s plan (see `remote_writer`)."""
-        from ..engine.remote_writer import write_remote_file
-        from ..proofs.remote_verify import check_stored_file
-
-        self._claimed([file], staged)  # named by this merge's marker (at staging) before its object is written
-        receipt = write_remote_file(prepared.source, prepared.plan, file, self.location, on_nonfinite=on_nonfinite,
-                                    chunk_bytes=chunk_bytes, prove=check_stored_file if verify else None,
-                                    on_tensor=on_tensor)
+    def record(self, file: str, staged: Staged, receipt: dict) -> None:
+        """Record weight file `file` as written and checked by the run `staged` (a rerun of this merge keeps it)."""
         fs, root = self._fs_root
         record = {"weights_id": staged.weights_id, "receipt": receipt}
         fs.pipe_file(posixpath.join(root, STAGING_RECORDS, f"{file}.json"), json.dumps(record).encode())
-        return receipt
 
-    def merge(self, prepared, staged: Staged, *, overwrite: bool, verify: bool = True, workers: int = 2,
-              on_unit=None, on_tensor=None, on_nonfinite: str = "warn", chunk_bytes=None, extra: dict | None = None,
-              checks=None) -> dict:
-        """The files left to write, `workers` at a time (each streamed, read back and checked), then `finalize`."""
-
-        def one(file: str) -> dict:
-            receipt = self.write_unit(prepared, file, staged, 1, on_nonfinite, on_tensor, chunk_bytes, verify)
-            if on_unit:
-                on_unit(file, receipt)
-            return receipt
-
-        with ThreadPoolExecutor(max(1, workers)) as pool:
-            written = {r["file"]: r for r in pool.map(one, staged.created)}
-        receipts = [staged.kept.get(f) or written[f] for f in prepared.plan.files]
-        return self.finalize(prepared, staged, receipts, overwrite=overwrite, verify=verify, extra=extra, checks=checks)
-
-    def finalize(self, prepared, staged: Staged, receipts: list[dict], *, overwrite: bool = False, verify: bool = True,
-                 workers: int = 2, extra: dict | None = None, hashes=None, checks=None) -> dict:
-        """Publish the weight files written (one receipt each): they are still the ones written; index, config,
-        copied files, a LoRA adapter and the card go up; objects of an earlier model and the staging records go;
-        the manifest is written last. `checks(folder)` (a reference's tensors and logits) runs on a local copy
-        before anything is published."""
-        from ..engine.merge import write_beside_weights, finish_folder
-        from ..proofs.quantized import quantized_errors
-
-        published = self.published(prepared)
-        if published:
-            return {**published, "reused": True}
+    def stored_identity(self, file: str) -> dict | None:
+        """The stored object's identity (size and ETag, `storage.fingerprint_of`), or None when it is missing."""
         fs, root = self._fs_root
-        plan = prepared.plan
-        by_file = {r["file"]: r for r in receipts}
-        for file in plan.files:
-            fs.invalidate_cache(posixpath.join(root, file))
-            if file not in by_file or fingerprint_of(fs.info(posixpath.join(root, file))) != by_file[file]["identity"]:
-                raise VerificationError(f"{self.location.join(file)}: not the file this merge wrote (missing or "
-                                        "replaced since); nothing was published: merge again")
-        results = [{"check": "round-trip", "tensors": len(prepared.source.tensors()),
-                    "pieces": sum(by_file[f]["pieces"] for f in plan.files),
-                    **quantized_errors(plan, [by_file[f] for f in plan.files]), "ok": True}] if verify else []
-        stored = {f: {"sha256": by_file[f]["sha256"], "size": by_file[f]["size"]} for f in plan.files}
-        with tempfile.TemporaryDirectory(prefix="ckptflow-publish-") as scratch:
-            folder = Path(scratch)
-            descriptive = write_beside_weights(prepared, folder)
-            if checks:  # they read the weights: a local copy, removed before the upload
-                for file in plan.files:
-                    fs.get_file(posixpath.join(root, file), str(folder / file))
-            manifest = finish_folder(prepared, folder, descriptive, results, {**(extra or {}), "groups_written": receipts},
-                                     stored=stored, checks=checks)
-            for file in plan.files:
-                (folder / file).unlink(missing_ok=True)
-            self._upload_manifest_last(folder, keep=set(plan.files), staged=staged)
-        return manifest
+        path = posixpath.join(root, file)
+        fs.invalidate_cache(path)
+        try:
+            return fingerprint_of(fs.info(path))
+        except FileNotFoundError:
+            return None
 
-    def refresh(self, prepared, *, verify: bool = True, workers: int = 2, checks=None) -> dict:
-        """The target holds this merge (`stage` said `published`): reused as it is."""
-        manifest = self.published(prepared)
-        if manifest is None:
-            raise CheckpointError(f"{self.url}: does not hold this checkpoint's merge; rerun with overwrite to rebuild it")
-        return {**manifest, "reused": True}
-
-    def _upload_manifest_last(self, folder: Path, keep: set[str], staged: Staged) -> None:
+    def publish_folder(self, folder: Path, keep: set[str], staged: Staged) -> None:
         """Name `folder`'s files in the run's marker, upload them, remove every other object the marker names but
         `keep` (an earlier model's, an earlier run's), the manifest last, then the records and the marker (kept
         until then: a crash before the manifest resumes with them). An object the marker does not name (put there
         by someone during the merge) is never removed: nothing is published then."""
         fs, root = self._fs_root
         local = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-        marker = self._claimed(local, staged)
+        marker = self.claim(local, staged)
         for name in local:
             if name != MANIFEST_FILE:
                 fs.put_file(str(folder / name), posixpath.join(root, name))
@@ -321,16 +251,3 @@ class RemoteTarget(Target):
                                             "changed after it was published (merge again with overwrite)")
             fs.get_file(posixpath.join(root, MANIFEST_FILE), str(folder / MANIFEST_FILE))
             yield folder
-
-    def check_published(self, manifest: dict) -> dict:
-        """The cheap check of the published model: sizes (see `check_sizes`)."""
-        return check_sizes(self.location, manifest)
-
-
-def check_sizes(target: str | Location, manifest: dict) -> dict:
-    """The cheap check of a published remote model (no byte read): every file the manifest lists is there with
-    its size; `ckptflow verify` re-hashes everything. Returns the result row."""
-    from ..proofs.reader import ObjectStorageReader, check_manifest
-
-    return check_manifest(ObjectStorageReader(Location.of(target)), manifest, full=False)
-

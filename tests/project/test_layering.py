@@ -15,8 +15,8 @@ PACKAGES = {"mergecore": "mergecore", "tasks": "ckptflow.tasks", "flows": "ckptf
 # The layers, bottom first: a module may import its own layer's modules and those of the layers below, never above.
 # Each entry is a mergecore sub-package or top-level module (docs/architecture.md draws this order).
 LAYERS = [
-    ["errors"], ["numbers"], ["storage"], ["families"], ["formats"], ["views"], ["quantize"], ["model"], ["request"],
-    ["engine"], ["proofs"], ["targets"], ["describe", "hub"], ["picture"], ["api"], ["mergecore"],
+    ["errors"], ["numbers"], ["storage"], ["families"], ["formats"], ["views"], ["quantize"], ["model"], ["targets"],
+    ["request"], ["engine"], ["proofs"], ["assembly"], ["describe", "hub"], ["picture"], ["api"], ["mergecore"],
 ]
 
 
@@ -141,9 +141,9 @@ def test_every_import_points_down_the_layers():
 
 def test_the_checker_sees_an_upward_import_in_a_function(tmp_path):
     source = tmp_path / "m.py"
-    source.write_text("def f():\n    from ..targets import open_target\n")
-    found = imported("mergecore.engine.m", source, {"mergecore.targets": source})
-    assert upward_imports({"mergecore.engine.m": found}) == ["mergecore.engine.m -> mergecore.targets"]
+    source.write_text("def f():\n    from ..assembly import assembly_for\n")
+    found = imported("mergecore.engine.m", source, {"mergecore.assembly": source})
+    assert upward_imports({"mergecore.engine.m": found}) == ["mergecore.engine.m -> mergecore.assembly"]
 
 
 def test_the_architecture_page_draws_the_layers():

@@ -202,15 +202,14 @@ def test_files_beside_a_runs_own_leftovers_are_refused_by_name_and_nothing_is_to
     """A run's leftovers (its marker, a weight file written and recorded) with someone's file put beside them: the
     prefix is no longer ckptflow's alone, so it is refused, with and without --overwrite, naming the file that is
     not ckptflow's; theirs and ours stay as they are. Was replaced, deleting their file."""
-    from mergecore import open_target, prepare
+    from mergecore import assembly_for, prepare
 
     role_dir, prefix = demo("fsdp2-w2").role_dir, f"{bucket}/mixed"
     url = f"s3://{prefix}"
     prepared = prepare(str(role_dir), max_shard_size="64KB", dtype="bf16")
-    target = open_target(url)
+    target = assembly_for(url)
     with target.lock():  # a run that staged and wrote its first file, then died
-        target.check(overwrite=False, sources=[str(role_dir)])
-        staged = target.stage(prepared, overwrite=False)
+        staged = target.stage(prepared, overwrite=False, sources=[str(role_dir)])
         target.write_unit(prepared, staged.created[0], staged)
     ours = objects(s3_env, prefix)
     assert staged.created[0] in ours
