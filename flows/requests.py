@@ -28,6 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mergecore import LoraSettings, MergeRequest, MergeSettings, MergeSource, MergeTarget
 from mergecore.hub import check_repo_id
+from mergecore.serving import check_engine
+from ckptflow.tasks.verify import FolderChecks
 
 from .runners import check_runner_options
 
@@ -138,12 +140,25 @@ class PromotionRequest(Part):
     where: Target
     reference: str | None = Field(None, description="reference HF folder: compare tensors and logits with it")
     trust_remote_code: bool = Field(False, description="allow custom model code in the logits check")
+    engine: str | None = Field(None, description="prove the model in the engine that serves it before it is "
+                                                 "published: vllm (docs/serving.md)")
+    engine_python: str | None = Field(None, description="an interpreter that has the engine (default: "
+                                                        "$CKPTFLOW_ENGINE_PYTHON, else `ckptflow engine install`'s)")
     hub: HubPush | None = None
     runner: Runner = Runner()
+
+    @field_validator("engine", mode="after")
+    @classmethod
+    def _known_engine(cls, engine: str | None) -> str | None:
+        return engine and check_engine(engine)
 
     def merge_request(self) -> MergeRequest:
         """The library's request: the same parts under the same names (each was checked there as it was built)."""
         return MergeRequest(self.what.library(), self.how.library(), self.where.library())
+
+    def folder_checks(self) -> FolderChecks:
+        """What is proven of the finished folder beyond the round trip: the reference, the serving engine."""
+        return FolderChecks(self.reference, self.trust_remote_code, self.engine, self.engine_python)
 
     @classmethod
     def of(cls, checkpoint: str, target: str, **options) -> PromotionRequest:
@@ -182,10 +197,18 @@ class PromotionSettings(Part):
     private: bool = Field(True, description="visibility of a newly created Hub repo")
     hub_token_secret: str | None = Field(None, description="Prefect Secret block holding the Hub token "
                                                            "(default HF_TOKEN)")
+    engine: str | None = Field(None, description="prove each model in the engine that serves it: vllm")
+    engine_python: str | None = Field(None, description="an interpreter that has the engine")
+
+    @field_validator("engine", mode="after")
+    @classmethod
+    def _known_engine(cls, engine: str | None) -> str | None:
+        return engine and check_engine(engine)
 
     def request(self, checkpoint: str, target: str, hub_repo: str | None, revision: str | None) -> PromotionRequest:
         """The promotion of `checkpoint` to `target` (and `hub_repo`@`revision`; None: no push) with these settings."""
         hub = (HubPush(repo=hub_repo, revision=revision, private=self.private, token_secret=self.hub_token_secret)
                if hub_repo else None)
         return PromotionRequest(what=Source(checkpoint=checkpoint, role=self.role, backend=self.backend), how=self.how,
-                                where=Target(target=target), hub=hub)
+                                where=Target(target=target), hub=hub, engine=self.engine,
+                                engine_python=self.engine_python)

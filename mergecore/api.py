@@ -89,13 +89,16 @@ def verify(
     atol: float | None = None,
     rtol: float | None = None,
     trust_remote_code: bool = False,
+    engine: str | None = None,
+    engine_python: str | None = None,
 ) -> list[dict]:
     """Re-check a merged model (a folder, or an fsspec URL, read file by file): every file's sha256 against its
     manifest, nothing beside them, the files copied from the source's huggingface/, and (unless `skip_source`)
     the round trip against the checkpoint it was merged from, reopened as its merge opened it. `source`,
     `hf_dir`, `custom_mapping` override the manifest's (whose locations are used only when local). With
-    `reference`: its tensors too (and logits with `logits`). Returns the check rows; a failed check raises
-    VerificationError.
+    `reference`: its tensors too (and logits with `logits`). With `engine` ("vllm"): loaded in that engine
+    (`engine_python`: an interpreter that has it), its logprobs compared with transformers'. Returns the check
+    rows; a failed check raises VerificationError, an engine that cannot run it here EngineUnavailable.
 
     >>> from ckptflow.testing.examples import example_checkpoint, example_target
     >>> model = example_target("to-verify")
@@ -106,14 +109,20 @@ def verify(
     from .proofs.published import verify_model
     from .proofs.reader import model_reader
     from .proofs.verify import reference_checks
+    from .serving import check_engine, engine_check
 
+    if engine:
+        check_engine(engine)  # before any work
     place = open_target(folder)
     manifest = place.require_manifest()
     opened = None if skip_source else merged_source(manifest, source, hf_dir, custom_mapping)
     results = verify_model(model_reader(place.url), manifest, opened)  # a remote model by ranged reads, file by file
-    if reference:
+    if reference or engine:
         with place.local_copy() as local:  # a remote model is compared from a local copy of its files
-            results += reference_checks(Path(local), Path(reference), trust_remote_code, logits, atol, rtol)
+            if reference:
+                results += reference_checks(Path(local), Path(reference), trust_remote_code, logits, atol, rtol)
+            if engine:
+                results.append(engine_check(Path(local), engine, engine_python))
     return results
 
 

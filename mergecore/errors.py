@@ -17,3 +17,10 @@ class VerificationError(CheckpointError):
     """The merged output does not equal its source or reference."""
 
     exit_code = 3
+
+
+class EngineUnavailable(CheckpointError):
+    """The serving engine cannot run this model here (not installed, no kernel for its head size, scheme or dtype
+    on this machine): nothing was proven either way, which is neither a pass nor a failed check."""
+
+    exit_code = 4

@@ -7,7 +7,7 @@ so they carry NO_CACHE rather than Prefect's default key (which hashes their inp
 from .checkpoint import discover_shards, plan_groups, prepare_staging, validate_metadata
 from .hub import push_to_hub
 from .merge import finalize_model, merge_unit
-from .verify import run_equivalence_tests
+from .verify import FolderChecks, engine_check, run_equivalence_tests
 
 __all__ = ["discover_shards", "validate_metadata", "plan_groups", "prepare_staging", "merge_unit",
-           "finalize_model", "run_equivalence_tests", "push_to_hub"]
+           "finalize_model", "run_equivalence_tests", "engine_check", "push_to_hub", "FolderChecks"]

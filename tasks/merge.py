@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -15,9 +14,9 @@ from mergecore.numbers.nonfinite import nonfinite_error, nonfinite_found
 from mergecore.engine.hashes import BackgroundHashes
 from mergecore.assembly import assembly_for
 from mergecore.targets.base import Staged
-from mergecore.proofs.verify import reference_checks
 
 from .sources import opened
+from .verify import FolderChecks
 
 
 def transient_io_error(task, task_run, state) -> bool:
@@ -62,17 +61,18 @@ def merge_unit(request: MergeRequest, discovered: dict, validated: dict, planned
 
 @task(name="finalize_model", cache_policy=NO_CACHE)
 def finalize_model(request: MergeRequest, discovered: dict, validated: dict, planned: Planned, staged: Staged,
-                   receipts: list[dict], hashes: BackgroundHashes | None = None, reference: str | None = None,
-                   trust_remote_code: bool = False) -> dict:
-    """Round-trip check against the shards and, with a reference, its tensors and logits; then
-    index/config/tokenizer/card/manifest and the publish. Nothing is published unless all pass.
+                   receipts: list[dict], hashes: BackgroundHashes | None = None,
+                   checks: FolderChecks = FolderChecks()) -> dict:
+    """Round-trip check against the shards and the `checks` of the finished folder (a reference's tensors and
+    logits, the serving engine); then index/config/tokenizer/card/manifest and the publish. Nothing is published
+    unless all pass.
 
     `staged`: what prepare_staging returned. `hashes`: the flow's hasher of the weight files, already through
     the groups merged so far; it finishes while the round-trip check runs. On a rerun whose weights are
     already published, only changed metadata is redone.
     """
     prepared = prepared_from(request, opened(request, discovered), validated, planned)
-    checks = (lambda folder: reference_checks(folder, Path(reference), trust_remote_code)) if reference else None
+    checks = checks or None
     target, overwrite = assembly_for(request.where.target), request.where.overwrite
     with target.lock():  # held by the flow since staging (re-entrant): one writer publishes at a time
         if staged.published:  # the receipts are those of the run that wrote it, in its manifest

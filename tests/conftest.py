@@ -56,7 +56,15 @@ QUANTIZABLE = {
                            num_key_value_heads=2),
 }
 
-ALL = {**VARIANTS, **FAMILIES, **WEIGHT_HEAVY, **QUANTIZABLE}
+# For the engine check in vLLM (tests/core/serving/): head size 64 and dims of 128, bias-free, so every scheme runs on
+# vLLM's CPU backend; and a config vLLM reads differently from transformers (head_dim 32 beside hidden 64, 4 heads).
+SERVABLE = {
+    "engine-llama": DemoSpec(arch="llama", hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                             num_key_value_heads=2),
+    "engine-misread-head-dim": DemoSpec(head_dim=32),
+}
+
+ALL = {**VARIANTS, **FAMILIES, **WEIGHT_HEAVY, **QUANTIZABLE, **SERVABLE}
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -156,3 +156,34 @@ class Looking:
             self.look()
             time.sleep(self.every_s)
 
+
+
+def require_engine(engine: str) -> str:
+    """The interpreter of `engine`'s managed environment (`ckptflow engine install`, which ./dev test runs once);
+    skipped where it is not installed, except in CI, where that is a failure."""
+    import os
+
+    import pytest
+
+    from mergecore.serving.environment import installed
+
+    record = installed(engine)
+    if record is None:
+        message = f"{engine} is not installed for ckptflow here: run `ckptflow engine install {engine}` (./dev test does)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return record["python"]
+
+
+def engine_processes() -> list[str]:
+    """Command lines of the engine probes running on this machine (none may outlive a check)."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = status.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "vllm_probe.py" in line:
+            found.append(line)
+    return found

@@ -40,7 +40,8 @@ NOT_OUTPUT_CODE = (
     "storage/__init__.py", "storage/retries.py", "storage/tensorio.py", "targets/__init__.py", "targets/base.py",
     "targets/local.py", "targets/lock.py", "targets/publish.py", "targets/remote.py", "views/__init__.py",
     "proofs/quantized.py", "proofs/published.py", "proofs/reader.py", "assembly/__init__.py", "assembly/base.py",
-    "assembly/folder.py", "assembly/object_storage.py",
+    "assembly/folder.py", "assembly/object_storage.py", "serving/__init__.py", "serving/check.py",
+    "serving/environment.py", "serving/vllm_probe.py",
 )
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # mergecore/
 

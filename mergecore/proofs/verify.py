@@ -155,7 +155,7 @@ def compare_with_reference(folder: Path, reference: Path, atol: float = 0.0, rto
     return {"check": "reference", "tensors": len(rows), "max_abs_diff": worst, "ok": True, "rows": rows}
 
 
-def _auto_class(folder: Path):
+def auto_class(folder: Path):
     import transformers
 
     architectures = read_json(folder / "config.json").get("architectures") or [""]
@@ -196,7 +196,7 @@ def reference_checks(folder: Path, reference: Path, trust_remote_code: bool = Fa
     return results
 
 
-def _load_model(auto, folder: Path, **kwargs):
+def load_model(auto, folder: Path, **kwargs):
     try:
         return auto.from_pretrained(folder, **kwargs)
     except Exception as err:  # noqa: BLE001 - whatever transformers raises, the folder is what the user can fix
@@ -249,10 +249,10 @@ def compare_logits(
 
     hf_logging.disable_progress_bar()
     device = logits_device(device)
-    auto = _auto_class(folder)
+    auto = auto_class(folder)
     kwargs = {"trust_remote_code": trust_remote_code}
-    ours = _load_model(auto, folder, dtype="auto", **kwargs).to(device).eval()
-    theirs = _load_model(auto, reference, dtype=ours.dtype, **kwargs).to(device).eval()
+    ours = load_model(auto, folder, dtype="auto", **kwargs).to(device).eval()
+    theirs = load_model(auto, reference, dtype=ours.dtype, **kwargs).to(device).eval()
     vocab = ours.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (2, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
@@ -301,15 +301,15 @@ def compare_quantized_logits(folder: Path, reference: Path, quantization: dict, 
 
     hf_logging.disable_progress_bar()
     device = logits_device(device)
-    auto, scheme = _auto_class(folder), _scheme_name(quantization)
-    ours, info = _load_model(auto, folder, quantization_config=quantized_loader_config(quantization),
+    auto, scheme = auto_class(folder), _scheme_name(quantization)
+    ours, info = load_model(auto, folder, quantization_config=quantized_loader_config(quantization),
                              output_loading_info=True, trust_remote_code=trust_remote_code)
     odd = {kind: sorted(names)[:3] for kind, names in info.items() if kind in ("missing_keys", "unexpected_keys") and names}
     if odd:
         raise VerificationError(f"{folder}: transformers loads it with {odd}; the quantized folder does not match its "
                                 "model class: merge again (or report this)")
     ours = ours.to(device).eval()
-    theirs = _load_model(auto, reference, dtype=ours.dtype, trust_remote_code=trust_remote_code).to(device).eval()
+    theirs = load_model(auto, reference, dtype=ours.dtype, trust_remote_code=trust_remote_code).to(device).eval()
     vocab = ours.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (2, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():

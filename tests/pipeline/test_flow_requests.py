@@ -31,7 +31,8 @@ def test_the_ui_form_shows_the_request_part_by_part():
     schema = form(promote_checkpoint)
     assert set(schema["properties"]) == {"request"} and schema["required"] == ["request"]
     request = schema["definitions"]["PromotionRequest"]
-    assert set(request["properties"]) == {"what", "how", "where", "reference", "trust_remote_code", "hub", "runner"}
+    assert set(request["properties"]) == {"what", "how", "where", "reference", "trust_remote_code", "engine",
+                                           "engine_python", "hub", "runner"}
     assert set(request["required"]) == {"what", "where"}
     # the library's parts, field for field (only the settings a promotion takes: it always verifies)
     assert fields_of(schema, "Source") == {f.name for f in dataclasses.fields(MergeSource)}
@@ -53,7 +54,8 @@ def test_event_and_schedule_flows_keep_their_own_fields_flat_and_take_one_settin
     assert set(uploaded["properties"]) == event | boundary | {"settings"}
     assert set(latest["properties"]) == {"run_roots", "target_root", "hub_org", "keep_last_n", "settings"}
     for schema in (uploaded, latest):
-        assert fields_of(schema, "PromotionSettings") == {"role", "backend", "how", "private", "hub_token_secret"}
+        assert fields_of(schema, "PromotionSettings") == {"role", "backend", "how", "private", "hub_token_secret",
+                                                             "engine", "engine_python"}
         assert fields_of(schema, "Settings") == fields_of(form(promote_checkpoint), "Settings")
 
 

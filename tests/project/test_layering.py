@@ -16,7 +16,7 @@ PACKAGES = {"mergecore": "mergecore", "tasks": "ckptflow.tasks", "flows": "ckptf
 # Each entry is a mergecore sub-package or top-level module (docs/architecture.md draws this order).
 LAYERS = [
     ["errors"], ["numbers"], ["storage"], ["families"], ["formats"], ["views"], ["quantize"], ["model"], ["targets"],
-    ["request"], ["engine"], ["proofs"], ["assembly"], ["describe", "hub"], ["picture"], ["api"], ["mergecore"],
+    ["request"], ["engine"], ["proofs"], ["serving"], ["assembly"], ["describe", "hub"], ["picture"], ["api"], ["mergecore"],
 ]
 
 
