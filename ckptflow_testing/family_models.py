@@ -31,6 +31,8 @@ FAMILY_CLASSES = {
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
     # Mixtral made like the others (noise, its own logits), beside demo_checkpoint's trained `mixtral`
     "mixtral_noise": ("MixtralConfig", "MixtralForCausalLM"),
+    # a Mamba-2 / attention hybrid: config.json holds a non-finite number (time_step_limit [0, Infinity])
+    "bamba": ("BambaConfig", "BambaForCausalLM"),
 }
 FAMILY_ARCHS = tuple(FAMILY_CLASSES)
 
@@ -161,6 +163,11 @@ def _fields(spec, tokenizer) -> dict[str, Any]:
         return dict(**text, **sliding, intermediate_size=_DENSE_WIDTH, dtype=dtype)
     if arch == "minimax_m2":  # q_norm / k_norm over all heads; every layer MoE
         return dict(**text, intermediate_size=_EXPERT_WIDTH, num_local_experts=_EXPERTS, num_experts_per_tok=2,
+                    dtype=dtype)
+    if arch == "bamba":  # layer 0 Mamba-2, layer 1 attention
+        text.pop("head_dim")
+        return dict(**text, intermediate_size=_DENSE_WIDTH, attn_layer_indices=[1], mamba_n_heads=4,
+                    mamba_d_head=2 * spec.hidden_size // 4, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16,
                     dtype=dtype)
     if arch == "mixtral_noise":
         return dict(**text, intermediate_size=_EXPERT_WIDTH, num_local_experts=_EXPERTS, num_experts_per_tok=2,

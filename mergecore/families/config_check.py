@@ -45,7 +45,7 @@ def check_config(source, config: dict, plan) -> dict:
         return {"by": "shape table", "why": saved["why"], "tensors": len(written)}
     expected = {name: tuple(shape) for name, shape in saved["tensors"].items()}
     if written != expected:
-        layers = _layer_difference(written, expected, config)
+        layers = layer_difference(written, expected, config)
         raise CheckpointError(f"{where}: {layers}{describe_difference(written, expected, saved['model'])}; {_FIX}")
     return {"by": "transformers", "model": saved["model"], "tensors": len(written)}
 
@@ -107,8 +107,16 @@ def describe_difference(written: dict, expected: dict, model: str, few: int = 3)
     return f"the merge would write tensors that {model}.save_pretrained does not: " + "; ".join(parts)
 
 
-def _layer_difference(written, expected, config: dict) -> str:
-    """A lead for the commonest mismatch, as the user would fix it: another decoder layer count."""
+def layer_difference(written, expected, config: dict) -> str:
+    """A lead for the commonest mismatch, as the user would fix it: another decoder layer count; or, when the count
+    agrees with config.json, which layers the model has that the checkpoint lacks (or the other way round).
+
+    >>> layer_difference(["model.layers.0.w", "model.layers.1.w"], ["model.layers.0.w"], {"num_hidden_layers": 1})
+    'the checkpoint has decoder layers 0..1 (2) but the config says num_hidden_layers=1; '
+    >>> layer_difference(["model.layers.0.w", "model.layers.1.w"], ["model.layers.0.w", "model.layers.1.w",
+    ...                  "model.layers.2.w"], {"num_hidden_layers": 2})
+    "the checkpoint's 2 decoder layers agree with num_hidden_layers=2, but the model transformers builds from the config also has layer 2; "
+    """
     def layers(names):
         return {i for n in names if (i := layer_index(n)) is not None and "vision" not in n and "visual" not in n}
 
@@ -116,8 +124,14 @@ def _layer_difference(written, expected, config: dict) -> str:
     if not have or have == want:
         return ""
     count = text_config(config).get("num_hidden_layers")
-    return (f"the checkpoint has decoder layers {min(have)}..{max(have)} ({len(have)}) but the config says "
-            f"num_hidden_layers={count}; ")
+    if len(have) != count:
+        return (f"the checkpoint has decoder layers {min(have)}..{max(have)} ({len(have)}) but the config says "
+                f"num_hidden_layers={count}; ")
+    extra, lacking = sorted(want - have), sorted(have - want)
+    differs = ([f"also has layer{'s' * (len(extra) > 1)} {', '.join(map(str, extra[:3]))}"] if extra else []) + \
+              ([f"lacks layer{'s' * (len(lacking) > 1)} {', '.join(map(str, lacking[:3]))}"] if lacking else [])
+    return (f"the checkpoint's {len(have)} decoder layers agree with num_hidden_layers={count}, but the model "
+            f"transformers builds from the config {' and '.join(differs)}; ")
 
 
 def saved_tensors(config: dict) -> dict:

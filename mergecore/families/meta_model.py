@@ -14,6 +14,8 @@ True
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from functools import lru_cache
 
 from ..errors import CheckpointError
@@ -37,13 +39,24 @@ def _meta_model_of(config_text: str):
     if model_class is None:
         return None
     try:
-        hf_config = CONFIG_MAPPING[config["model_type"]].from_dict(config)
+        hf_config = _as_transformers_reads(CONFIG_MAPPING[config["model_type"]], config_text)
         with torch.device("meta"):
             return model_class._from_config(hf_config)
     except Exception as exc:  # transformers' own complaint about the config, on one line
         reason = " ".join(str(exc).split())[:200]
         raise CheckpointError(f"config.json: transformers cannot build {model_class.__name__} from it ({reason}); "
                               "fix it or pass --hf_model_path with the base model's folder") from None
+
+
+def _as_transformers_reads(config_class, config_text: str):
+    """config.json read by transformers' own loader (`from_json_file`), which decodes what its writer encodes: a
+    non-finite number is saved as `{"__float__": "Infinity"}` (Mamba hybrids' `time_step_limit`), which a plain
+    `json.loads` + `from_dict` hands to the config class as a dict."""
+    with tempfile.TemporaryDirectory(prefix="ckptflow-config-") as scratch:
+        path = os.path.join(scratch, "config.json")
+        with open(path, "w") as f:
+            f.write(config_text)
+        return config_class.from_json_file(path)
 
 
 def model_class_of(config: dict):

@@ -57,6 +57,10 @@ SIGNATURES = {
     "minimax_m2": {"model.layers.1.self_attn.q_norm.weight": (64,),
                    "model.layers.1.block_sparse_moe.experts.3.w2.weight": (64, 40)},
     "mixtral_noise": {"model.layers.1.block_sparse_moe.experts.3.w1.weight": (40, 64)},
+    # a Mamba-2 layer (in_proj: 128 inner + 160 conv + 4 heads) then an attention layer; config.json holds
+    # time_step_limit [0.0, {"__float__": "Infinity"}] (was refused: transformers cannot build it from the dict)
+    "bamba": {"model.layers.0.mamba.in_proj.weight": (292, 64), "model.layers.0.mamba.conv1d.weight": (160, 1, 4),
+              "model.layers.1.self_attn.q_proj.weight": (64, 64)},
 }
 
 
@@ -185,3 +189,15 @@ def test_untied_causal_lm_without_its_head_is_refused(families, cli, tmp_path):
         torch.save(state, rank_file)
     result = cli("merge", "--local_dir", role, "--target_dir", tmp_path / "out")
     assert_refused(result, tmp_path / "out", "has no lm_head.weight", "tie_word_embeddings=false", "set it to true")
+
+
+def test_a_config_with_a_non_finite_number_is_read_as_transformers_reads_it_and_written_as_it_writes_it(families,
+                                                                                                       merged):
+    """transformers writes a non-finite config value as {"__float__": "Infinity"} (Mamba hybrids' time_step_limit)
+    and decodes it when it loads; the merge's config check reads it so, and config.json goes out as written."""
+    import json
+
+    written = json.loads((families["bamba"].reference_dir / "config.json").read_text())
+    assert written["time_step_limit"] == [0.0, {"__float__": "Infinity"}]  # the fixture holds the case
+    merged_config = json.loads((merged("bamba")[1] / "config.json").read_text())
+    assert merged_config["time_step_limit"] == written["time_step_limit"]
