@@ -50,7 +50,11 @@ from .family_models import FAMILY_ARCHS
 
 ARCHS = ("qwen2", "llama", "critic", "qwen3_moe", "qwen2_moe", "mixtral", "qwen2_5_vl", "qwen3_vl", "gemma3_text",
          "qwen3_next", "sarvam_moe") + FAMILY_ARCHS
-MODES = ("fsdp2", "hsdp", "fsdp1_mesh", "fsdp1", "single")
+MODES = ("fsdp2", "hsdp", "fsdp2_tp", "fsdp1_mesh", "fsdp1", "single")
+# How the trained model is saved: as verl's FSDPCheckpointManager does (rank files), or by torch's distributed
+# checkpoint (`dcp.save` of `get_model_state_dict`) as a plain folder, in torchtitan's layout (checkpoint/step-N,
+# flat keys) or in Accelerate's `save_state` layout (pytorch_model_fsdp_0/, keys under `model.`, optimizer_0/).
+SAVES = ("verl", "dcp", "torchtitan", "accelerate")
 CONFIG_DTYPES = ("bfloat16", "float16", "float32")
 
 # Special tokens of the tiny tokenizer (ids 0, 1, 2 in this order).
@@ -114,6 +118,7 @@ class DemoSpec:
     # saves just the adapter tensors (verl's checkpoint.save_lora_only).
     lora: bool = False
     lora_only: bool = False
+    save: str = "verl"
 
 
 # Hyperparameters of the LoRA fixture; alpha/r = 2 so a wrong alpha changes the model visibly.
@@ -150,6 +155,14 @@ def _validate(spec: DemoSpec) -> None:
         raise ValueError(
             f"mode 'hsdp' uses a (ddp=2, fsdp=W//2) mesh and needs an even world_size >= 4, got {spec.world_size}"
         )
+    if spec.save not in SAVES:
+        raise ValueError(f"save must be one of {SAVES}, got {spec.save!r}")
+    if spec.mode == "fsdp2_tp" and spec.save == "verl":
+        raise ValueError("mode 'fsdp2_tp' is saved by DCP only (save='dcp', 'torchtitan' or 'accelerate')")
+    if spec.save != "verl" and (spec.mode not in ("fsdp2", "hsdp", "fsdp2_tp") or spec.lora):
+        raise ValueError("DCP saves take modes fsdp2, hsdp and fsdp2_tp, without lora")
+    if spec.mode == "fsdp2_tp" and (spec.world_size != 4 or spec.arch not in ("llama", "qwen2")):
+        raise ValueError("mode 'fsdp2_tp' uses a (dp=2, tp=2) mesh: world_size 4, arch llama or qwen2")
     if spec.shard_placement_fn and spec.mode not in ("fsdp2", "hsdp"):
         raise ValueError("shard_placement_fn is only meaningful for modes 'fsdp2' and 'hsdp'")
     if spec.nonfinite_param is not None and spec.mode not in ("fsdp2", "single"):
@@ -569,6 +582,64 @@ def _wrap_fsdp2(model, spec: DemoSpec, world_size: int):
     return model
 
 
+def _wrap_fsdp2_tp(model, world_size: int):
+    """FSDP2 over tensor parallelism on a (dp=2, tp=2) mesh, as torchtitan wraps a model: each decoder layer's
+    q/k/v and gate/up projections column-parallel, o/down row-parallel (`parallelize_module` on the tp mesh), then
+    `fully_shard` on the dp mesh: 2-D DTensors (`_StridedShard` and `Shard` placements)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+    plan = {**{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+            "self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tp"], plan)
+    for unit in _fsdp2_units(model):
+        fully_shard(unit, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _save_dcp(rank: int, spec: DemoSpec, model, optimizer, cls, config, role_dir: Path, reference_dir: Path) -> None:
+    """The trained model saved by torch's distributed checkpoint in `spec.save`'s layout, and (rank 0) the
+    reference: `save_pretrained` of the same model, gathered."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    state = get_model_state_dict(model)
+    if spec.save == "dcp":
+        dcp.save(state, checkpoint_id=str(role_dir))
+    elif spec.save == "torchtitan":  # an earlier step with the training state, the last one model-only
+        earlier = {**state, **{f"optimizer.{k}": v for k, v in
+                               _flat(get_optimizer_state_dict(model, optimizer)).items()},
+                   "train_state.step": torch.tensor(spec.step - 1 if spec.step else 0)}
+        dcp.save(earlier, checkpoint_id=str(role_dir / "checkpoint" / f"step-{max(spec.step - 1, 0)}"))
+        dcp.save(state, checkpoint_id=str(role_dir / "checkpoint" / f"step-{spec.step}"))
+    else:  # accelerate
+        dcp.save({"model": state}, checkpoint_id=str(role_dir / "pytorch_model_fsdp_0"))
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(role_dir / "optimizer_0"))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        fresh = cls(config).to(torch.float32)
+        fresh.load_state_dict(full, strict=True)
+        fresh.save_pretrained(reference_dir)
+        shutil.rmtree(role_dir / "huggingface")  # a DCP save carries no config: --hf_model_path names one
+
+
+def _flat(state: dict, prefix: str = "") -> dict:
+    """A nested state dict as flat dotted keys (torchtitan's optimizer entries)."""
+    flat = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def _fsdp2_units(hf_model) -> list:
     """The modules verl's `apply_fsdp2` shards one by one before the root, in module order: every module whose
     class is in the model's `_no_split_modules` (decoder layers; a VLM's vision blocks too) and, when the
@@ -656,7 +727,14 @@ def _train_and_save(rank: int, world_size: int, spec: DemoSpec, role_dir: Path, 
         model = _with_lora(model)  # before FSDP, as verl does; freezes the base weights
     model.train()
 
-    if spec.mode in ("fsdp2", "hsdp"):
+    if spec.mode == "fsdp2_tp":
+        # Noise instead of a training step: parameters TP leaves whole (embeddings, norms) would get gradients
+        # of their tp rank's share only and drift apart across tp ranks, unlike any real trainer's.
+        from .family_models import add_noise
+
+        add_noise(model, spec.seed)
+        model = _wrap_fsdp2_tp(model, world_size)
+    elif spec.mode in ("fsdp2", "hsdp"):
         model = _wrap_fsdp2(model, spec, world_size)
     elif spec.mode in ("fsdp1", "fsdp1_mesh"):
         model = _wrap_fsdp1(model, spec, world_size)
@@ -682,8 +760,9 @@ def _train_and_save(rank: int, world_size: int, spec: DemoSpec, role_dir: Path, 
     else:
         input_ids = torch.randint(0, spec.vocab_size, (_BATCH_SIZE, _SEQ_LEN), generator=gen)
         loss = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=input_ids).loss
-    loss.backward()  # FSDP reduce-scatters (averages) the gradients across ranks here
-    optimizer.step()
+    if spec.mode != "fsdp2_tp":
+        loss.backward()  # FSDP reduce-scatters (averages) the gradients across ranks here
+        optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     if spec.nonfinite_param is not None and rank == 0:
@@ -692,6 +771,9 @@ def _train_and_save(rank: int, world_size: int, spec: DemoSpec, role_dir: Path, 
         logits = _own_logits(model, spec, config)  # every rank takes part in FSDP's forward
         if rank == 0:
             torch.save(logits, reference_dir / LOGITS_FILE)
+
+    if spec.save != "verl":
+        return _save_dcp(rank, spec, model, optimizer, cls, config, role_dir, reference_dir)
 
     # ---- what verl's FSDPCheckpointManager.save_checkpoint writes, per rank
     suffix = f"world_size_{world_size}_rank_{rank}.pt"

@@ -34,7 +34,8 @@ err = Console(stderr=True, markup=False)
 
 # Options shared by several commands: (default, names..., help)
 BACKEND = typer.Option("auto", "--backend", help="Checkpoint format: auto, fsdp, megatron (either Megatron layout), "
-                       "megatron_legacy (mp_rank folders) or megatron_dist (dist_ckpt).")
+                       "megatron_legacy (mp_rank folders), megatron_dist (dist_ckpt) or dcp (torch distributed "
+                       "checkpoint: torchtitan, Accelerate, dcp.save; config from --hf_model_path).")
 LOCAL_DIR = typer.Option(..., "--local_dir", "--local-dir", help="Role folder, global_step_N folder or run root (path or fsspec URL).")
 HF_MODEL_PATH = typer.Option(None, "--hf_model_path", "--hf-model-path", help="Folder with config.json when the checkpoint lacks huggingface/.")
 ROLE = typer.Option("actor", "--role", help="actor or critic, when --local_dir is a step folder or run root.")

@@ -76,7 +76,7 @@ class Source(Mirror):
 
     checkpoint: str = Field(description="role folder, global_step_N folder or run root (path or fsspec URL)")
     role: str = Field("actor", description="actor or critic, when the checkpoint is a step folder or run root")
-    backend: str = Field("auto", description="auto, fsdp, megatron, megatron_legacy or megatron_dist")
+    backend: str = Field("auto", description="auto, fsdp, megatron, megatron_legacy, megatron_dist or dcp")
     hf_dir: str | None = Field(None, description="folder with config.json when the checkpoint lacks huggingface/")
     custom_mapping: str | None = Field(None, description="JSON/YAML file of extra Megatron -> HF name patterns")
     lora: Lora = Lora()
@@ -192,7 +192,7 @@ class PromotionSettings(Part):
     the schedule decides the place (checkpoint, target, Hub repo and branch)."""
 
     role: str = Field("actor", description="actor or critic")
-    backend: str = Field("auto", description="auto, fsdp, megatron, megatron_legacy or megatron_dist")
+    backend: str = Field("auto", description="auto, fsdp, megatron, megatron_legacy, megatron_dist or dcp")
     how: Settings = Settings()
     private: bool = Field(True, description="visibility of a newly created Hub repo")
     hub_token_secret: str | None = Field(None, description="Prefect Secret block holding the Hub token "

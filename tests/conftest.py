@@ -64,7 +64,18 @@ SERVABLE = {
     "engine-misread-head-dim": DemoSpec(head_dim=32),
 }
 
-ALL = {**VARIANTS, **FAMILIES, **WEIGHT_HEAVY, **QUANTIZABLE, **SERVABLE}
+# Torch distributed checkpoints (tests/core/formats/test_dcp.py): the model trained one step (TP: noise instead),
+# saved by torch's `dcp.save` of `get_model_state_dict` as a plain folder, in torchtitan's and in Accelerate's layout.
+DCP = {
+    "dcp-fsdp2": DemoSpec(arch="llama", save="dcp"),
+    "dcp-fsdp2-w3": DemoSpec(arch="llama", world_size=3, save="dcp"),  # vocab 1001 over 3: uneven boxes
+    "dcp-torchtitan": DemoSpec(arch="llama", save="torchtitan"),
+    "dcp-accelerate": DemoSpec(save="accelerate"),
+    "dcp-hsdp": DemoSpec(arch="llama", mode="hsdp", world_size=4, save="dcp"),
+    "dcp-fsdp2-tp": DemoSpec(arch="llama", mode="fsdp2_tp", world_size=4, save="torchtitan"),
+}
+
+ALL = {**VARIANTS, **FAMILIES, **WEIGHT_HEAVY, **QUANTIZABLE, **SERVABLE, **DCP}
 
 
 @pytest.fixture(scope="session", autouse=True)

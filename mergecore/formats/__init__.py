@@ -11,7 +11,8 @@ import re
 from ..errors import CheckpointError
 from ..storage import Location, publishable_hf_files
 from .base import CheckpointSource, Piece, TensorInfo
-from .detect import has_dist_ckpt, has_mp_rank_folders, has_rank_files
+from .detect import (ACCELERATE_MODEL_DIR, TORCHTITAN_STEP_DIR, has_dcp, has_dist_ckpt, has_mp_rank_folders,
+                     has_rank_files)
 
 __all__ = ["CheckpointSource", "Piece", "TensorInfo", "open_checkpoint", "find_role_folder"]
 
@@ -24,10 +25,11 @@ FORMATS = {
     "fsdp": (has_rank_files, "fsdp:FsdpCheckpoint"),
     "megatron_legacy": (has_mp_rank_folders, "megatron.legacy:MegatronLegacyCheckpoint"),
     "megatron_dist": (has_dist_ckpt, "megatron.dist:MegatronDistCheckpoint"),
+    "dcp": (has_dcp, "dcp:DcpCheckpoint"),
 }
 # --backend values: verl's `megatron` covers both of its Megatron layouts (dist_ckpt is its default).
 BACKENDS = {"fsdp": ("fsdp",), "megatron": ("megatron_legacy", "megatron_dist"),
-            "megatron_legacy": ("megatron_legacy",), "megatron_dist": ("megatron_dist",)}
+            "megatron_legacy": ("megatron_legacy",), "megatron_dist": ("megatron_dist",), "dcp": ("dcp",)}
 
 
 def reader_class(backend: str) -> type[CheckpointSource]:
@@ -48,8 +50,15 @@ def find_role_folder(location: Location, role: str = "actor") -> tuple[Location,
         raise CheckpointError(f"{location}: does not exist; check the path (local path or fsspec URL)")
     step_match = STEP_FOLDER.match(location.name)
     if _is_checkpoint(names, location):
-        parent = STEP_FOLDER.match(location.parent.name)
+        parent = STEP_FOLDER.match(location.parent.name) or TORCHTITAN_STEP_DIR.match(location.name)
         return location, int(parent[1]) if parent else None
+    accelerate = sorted(n for n in names if ACCELERATE_MODEL_DIR.match(n))
+    if accelerate:  # Accelerate's save_state: the model's DCP folder beside optimizer_0/ and the RNG pickles
+        return find_role_folder(location.join(accelerate[0]), role)
+    titan_steps = sorted((int(m[1]), n) for n in (location.join("checkpoint").listdir() if "checkpoint" in names
+                                                  else []) if (m := TORCHTITAN_STEP_DIR.match(n)))
+    if titan_steps:  # torchtitan's run folder: the newest step
+        return find_role_folder(location.join("checkpoint", titan_steps[-1][1]), role)
     if step_match:
         if role not in names:
             raise CheckpointError(f"{location}: has no {role}/ folder (found: {', '.join(names) or 'nothing'}); pass --role")
@@ -64,7 +73,8 @@ def find_role_folder(location: Location, role: str = "actor") -> tuple[Location,
         return find_role_folder(location.join(steps[-1][1]), role)
     raise CheckpointError(
         f"{location}: no checkpoint found (expected model_world_size_W_rank_R.pt files, model/mp_rank_* folders, "
-        f"global_step_N folders or {LATEST_FILE}); point --local_dir at the actor folder of a verl checkpoint"
+        f"global_step_N folders, {LATEST_FILE}, or a torch distributed checkpoint: .metadata and __R_K.distcp "
+        "files); point --local_dir at the actor folder of a verl checkpoint or the folder of a DCP save"
     )
 
 
@@ -88,8 +98,9 @@ def open_checkpoint(
     for name in FORMATS if backend == "auto" else BACKENDS[backend]:
         if FORMATS[name][0](names, folder):
             options = {"custom_mapping": custom_mapping} if custom_mapping else {}
-            if options and name == "fsdp":
-                raise CheckpointError(f"{folder}: --custom-mapping applies to Megatron checkpoints; FSDP keeps HF names")
+            if options and name in ("fsdp", "dcp"):
+                raise CheckpointError(f"{folder}: --custom-mapping applies to Megatron checkpoints; this one keeps "
+                                      "Hugging Face names")
             source = reader_class(name)(folder, Location.of(hf_dir) if hf_dir else None, step=step, **options)
             source.backend = name
             publishable_hf_files(source.hf_dir, source.location)  # refuses links out, FIFOs, devices: before any write

@@ -10,6 +10,9 @@ FSDP_RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 MP_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 DIST_DIR = "dist_ckpt"
 DIST_METADATA_FILE = ".metadata"
+DCP_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+ACCELERATE_MODEL_DIR = re.compile(r"^pytorch_model_fsdp_\d+$")  # Accelerate's save_state with FSDP
+TORCHTITAN_STEP_DIR = re.compile(r"^step-(\d+)$")  # torchtitan: RUN/checkpoint/step-N
 
 
 def has_rank_files(names: list[str], folder: Location | None = None) -> bool:
@@ -47,3 +50,9 @@ def has_dist_ckpt(names: list[str], folder: Location | None = None) -> bool:
     if DIST_DIR not in names and "model" not in names:
         return False
     return dist_ckpt_dir(folder, names) is not None
+
+
+def has_dcp(names: list[str], folder: Location | None = None) -> bool:
+    """A torch distributed checkpoint of a model saved by torch's own `dcp.save` (torchtitan, Accelerate, any FSDP2
+    trainer): `.metadata` and `__R_K.distcp` files, and not Megatron's dist_ckpt (whose folder has metadata.json)."""
+    return DIST_METADATA_FILE in names and "metadata.json" not in names and any(DCP_DATA_FILE.match(n) for n in names)

@@ -25,7 +25,8 @@ mmapped `.distcp` file, and `pieces` places each chunk's part rows (`Transform.r
 Face tensor, so `read_rows` streams any tensor in row blocks within the chunk budget
 (`mergecore.numbers.budget`); optimizer state or extra state sharing the files is never touched. `.metadata` and `common.pt`
 are untrusted: they are unpickled with allow-lists, never with plain pickle (`.metadata` is loaded and bounded by
-the folder's bytes in `dcp_metadata.py`; `common.pt` goes through the Megatron allow-list of `legacy.py`).
+the folder's bytes in `formats/dcp_metadata.py`, its chunks read by `formats/dcp_chunks.py`; `common.pt` goes
+through the Megatron allow-list of `legacy.py`).
 """
 
 from __future__ import annotations
@@ -40,17 +41,17 @@ import numpy as np
 
 from ...errors import CheckpointError
 from ...families.megatron_maps import SKIPPED, Mapped, resolve
-from ...storage import Location, RangeFile, fetch_ranges
+from ...storage import Location
 from ...storage.tensorio import read_json
 from ...numbers.arrays import numpy_dtype
 from ...families.transforms import Transform
 from ..base import CheckpointSource, Piece, TensorInfo
-from .. import torchfile
 from ..detect import DIST_METADATA_FILE, dist_ckpt_dir
+from ..dcp_chunks import DcpChunks
+from ..dcp_metadata import load_dcp_metadata
 from ..fetching import FetchesByGroup
 from .checks import check_layers, check_moe
 from .common import MegatronReader
-from .dcp_metadata import load_dcp_metadata
 from ..untrusted import DCP_RECORDS
 
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "encoder.", "mtp.")
@@ -84,8 +85,12 @@ class Entry:
     mapped: Mapped
 
 
-class MegatronDistCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource):
+class MegatronDistCheckpoint(MegatronReader, DcpChunks, FetchesByGroup, CheckpointSource):
     format_name = "verl-megatron-dist"
+
+    @property
+    def dcp_dir(self) -> Location:
+        return self.dist_dir
 
     def __init__(self, location: Location, hf_dir: Location | None = None, step: int | None = None,
                  custom_mapping: str | None = None):
@@ -97,7 +102,6 @@ class MegatronDistCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource):
                 "the actor/critic folder of a verl Megatron dist_ckpt checkpoint"
             )
         self.dist_dir = dist
-        self._chunks: dict[tuple[str, int], np.ndarray] = {}  # (file, byte offset) -> mapped chunk
         if hf_dir is None:
             candidates = [dist.parent.join("huggingface"), location.join("huggingface"), location.join("model", "huggingface")]
             hf_dir = next((c for c in candidates if c.join("config.json").exists()), candidates[0])
@@ -200,7 +204,7 @@ class MegatronDistCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource):
         would load whole chunks (for a stacked `[L, ...]` key, every layer for each layer)."""
         box_offsets, box_sizes = self._box(s)
         dest = None
-        for low, high, chunk, inside, _ in self._overlapping_chunks(s, box_offsets, box_sizes):
+        for low, high, chunk, inside, _ in self._overlapping_chunks(s.key, box_offsets, box_sizes):
             if dest is None and [hi - lo for lo, hi in zip(low, high)] == list(box_sizes):
                 return chunk[inside].reshape(s.shape)
             if dest is None:
@@ -212,107 +216,21 @@ class MegatronDistCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource):
                                   "the metadata is damaged: copy the dist_ckpt folder again")
         return dest.reshape(s.shape)
 
-    def _overlapping_chunks(self, s: Slice, box_offsets, box_sizes):
-        """(low, high, mapped chunk, index of the overlap within it, chunk info) of each stored chunk of `s.key`
-        overlapping the box; `low`/`high` are the overlap's global bounds."""
-        for low, high, chunk_offsets, chunk_sizes, info in self._overlapping_items(s, box_offsets, box_sizes):
-            self._refuse_extensions(s, info)
-            inside = tuple(slice(lo - c, hi - c) for lo, hi, c in zip(low, high, chunk_offsets))
-            yield low, high, self._chunk_array(info, chunk_sizes), inside, info
-
-    def _overlapping_items(self, s: Slice, box_offsets, box_sizes):
-        """(low, high, chunk offsets, chunk sizes, storage info) of each stored chunk of `s.key` overlapping the box."""
-        for chunk_offsets, chunk_sizes, info in self._chunk_files.get(s.key, []):
-            low = [max(b, c) for b, c in zip(box_offsets, chunk_offsets)]
-            high = [min(b + n, c + m) for b, n, c, m in zip(box_offsets, box_sizes, chunk_offsets, chunk_sizes)]
-            if all(lo < hi for lo, hi in zip(low, high)):
-                yield low, high, chunk_offsets, chunk_sizes, info
-
-    def _refuse_extensions(self, s: Slice, info) -> None:
-        if info.transform_descriptors:
-            raise CheckpointError(
-                f"{self.dist_dir.join(info.relative_path)}: {s.key} is stored through DCP extensions "
-                f"{list(info.transform_descriptors)} (compression?), which ckptflow does not read; save the "
-                "checkpoint without storage extensions")
-
     def _box(self, s: Slice) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(offsets, sizes) of `key[index]` within the key's global tensor."""
         full = tuple(int(x) for x in self.metadata.state_dict_metadata[s.key].size)
         lead = len(s.index)
         return (*s.index, *([0] * (len(full) - lead))), (*([1] * lead), *full[lead:])
 
-    def _chunk_array(self, info, sizes: tuple[int, ...]) -> np.ndarray:
-        """One stored chunk (a torch.save archive, DCP's default serialization) as a read-only numpy view of
-        its mmapped .distcp file: pages are read when rows are asked for, and stay shared, never private."""
-        key = (info.relative_path, info.offset)
-        if key not in self._chunks:
-            location = self.dist_dir.join(info.relative_path)
-            shown = f"{location} (bytes {info.offset}+{info.length})"
-            try:
-                array = torchfile.load(self._readable(info), shown, info.offset, info.length)
-            except OSError as err:
-                raise CheckpointError(f"{shown}: cannot be read ({err}); the file is missing or truncated: copy the "
-                                      "whole dist_ckpt folder again") from None
-            if not isinstance(array, np.ndarray) or tuple(array.shape) != tuple(sizes):
-                raise CheckpointError(f"{shown}: holds {getattr(array, 'shape', type(array).__name__)}, not the "
-                                      f"{tuple(sizes)} chunk .metadata describes; the folder mixes two saves")
-            self._chunks[key] = array
-        return self._chunks[key]
-
-    def _readable(self, info) -> str:
-        """A local path holding the bytes of storage item `info`: a local .distcp file itself; for a remote one
-        its sparse range file (`RangeFile`), with this item's bytes fetched unless they are already there."""
-        location = self.dist_dir.join(info.relative_path)
-        if location.is_local:
-            return location.local_file()
-        remote = self._range_file(info.relative_path)
-        remote.fetch([(info.offset, info.offset + info.length)])
-        return remote.path
-
-    def _range_file(self, relative_path: str) -> RangeFile:
-        """The range file of a remote .distcp file; ranges are never joined across items that are not model
-        tensors (optimizer state sharing the file, extra state)."""
-        if relative_path not in self._range_files:
-            remote = RangeFile.of(self.dist_dir.join(relative_path))
-            remote.keep_out((info.offset, info.offset + info.length) for index, info in self.metadata.storage_data.items()
-                            if info.relative_path == relative_path and index.fqn not in self._tensor_keys)
-            self._range_files[relative_path] = remote
-        return self._range_files[relative_path]
-
-    @cached_property
-    def _range_files(self) -> dict[str, RangeFile]:
-        return {}
-
-    def _reads_remotely(self) -> bool:
-        return not self.dist_dir.is_local
-
     def _fetchable_names(self):
         return self._entries
 
     def _download(self, names: list[str]) -> None:
-        """The storage items of `names` from remote .distcp files, in one concurrent batch of range requests:
-        whole items, each a torch.save archive of one saved box, never another key's (the optimizer's) items."""
-        wanted: dict[RangeFile, list[tuple[int, int]]] = {}
-        for entry in (self._entries[name] for name in names):
-            for *_, info in self._overlapping_items(entry.slice, *self._box(entry.slice)):
-                wanted.setdefault(self._range_file(info.relative_path), []).append((info.offset, info.offset + info.length))
-        fetch_ranges(wanted)
+        self._download_boxes([(entry.slice.key, *self._box(entry.slice)) for entry in map(self._entries.get, names)])
 
     def _saved_arrays(self, names: list[str]):
         return [chunk for entry in (self._entries[name] for name in names)
-                for _, _, chunk, _, _ in self._overlapping_chunks(entry.slice, *self._box(entry.slice))]
-
-    @cached_property
-    def _chunk_files(self) -> dict[str, list[tuple[tuple, tuple, object]]]:
-        """key -> [(chunk offsets, chunk sizes, its storage info: relative path, byte offset and length)]."""
-        paths = {(index.fqn, tuple(index.offset or ())): info for index, info in self.metadata.storage_data.items()}
-        out: dict[str, list] = {}
-        for key, md in self._tensor_keys.items():
-            for chunk in md.chunks:
-                offsets = tuple(int(o) for o in chunk.offsets)
-                info = paths[(key, offsets)]  # every chunk has one: `dcp_metadata._check_storage_index`
-                out.setdefault(key, []).append((offsets, tuple(int(x) for x in chunk.sizes), info))
-        return out
+                for _, _, chunk, _, _ in self._overlapping_chunks(entry.slice.key, *self._box(entry.slice))]
 
     def _files_for(self, s: Slice) -> list[Location]:
         files = []
@@ -364,7 +282,7 @@ class MegatronDistCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource):
         runs = transform.row_map(s.shape[0], entry.part) if s.shape else []
         self._ready_for(name)
         found = False
-        for low, high, chunk, inside, info in self._overlapping_chunks(s, box_offsets, box_sizes):
+        for low, high, chunk, inside, info in self._overlapping_chunks(s.key, box_offsets, box_sizes):
             found = True
             view = chunk[inside][(0,) * lead + (...,)]  # the slice's own axes (a view; `...` keeps a 0-d one an array)
             start = [lo - b for lo, b in zip(low[lead:], box_offsets[lead:])]
@@ -454,7 +372,7 @@ class MegatronDistCheckpoint(MegatronReader, FetchesByGroup, CheckpointSource):
 
     def describe(self) -> dict:
         layered = {int(s.legacy_key.split(".")[2]) for s in self._slices if s.legacy_key.startswith("decoder.layers.")}
-        files = sorted({info.relative_path for chunks in self._chunk_files.values() for _, _, info in chunks})
+        files = self._data_files()
         iteration = self.common.get("iteration")
         return {
             "format": self.format_name,

@@ -308,7 +308,7 @@ def test_per_layer_keys_must_cover_the_config_layers(dist_copy, tmp_path):
 def test_other_backends_and_missing_files(dist_copy, tmp_path):
     ckpt = dist_copy("llama")
     (dist_dir(ckpt) / "__0_0.distcp").unlink()
-    with pytest.raises(CheckpointError, match=r"__0_0.distcp: missing .*copy the whole dist_ckpt folder") as excinfo:
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp: missing .*copy the whole checkpoint folder") as excinfo:
         prepare(str(ckpt.role_dir))
     one_line_error(excinfo)
     (dist_dir(ckpt) / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr"}))

@@ -1,5 +1,5 @@
-"""A dist_ckpt folder's `.metadata`: torch DCP's pickled `Metadata` (global shapes, saved chunks, where their bytes
-are), loaded as inert records and bounded by the bytes the folder really holds, before the reader builds anything.
+"""A torch distributed checkpoint's `.metadata` (Megatron dist_ckpt, torchtitan, Accelerate, `dcp.save`): DCP's
+pickled `Metadata` (global shapes, saved chunks, where their bytes are), loaded as inert records and bounded by the bytes the folder really holds, before the reader builds anything.
 
 `.metadata` is untrusted: it is unpickled with an allow-list (`untrusted.DCP_METADATA`), never with plain pickle
 (torch's `FileSystemReader.read_metadata` uses plain `pickle.load`, so it is bypassed). Every count it claims is
@@ -13,11 +13,11 @@ import math
 import os
 import posixpath
 
-from ...errors import CheckpointError
-from ...numbers.arrays import element_size
-from ...numbers.claims import Extent, overclaimed, places
-from ...storage import Location
-from ..untrusted import DCP_METADATA, DCP_RECORDS, AllowListUnpickler, Refused, check_plain_fields
+from ..errors import CheckpointError
+from ..numbers.arrays import element_size
+from ..numbers.claims import Extent, overclaimed, places
+from ..storage import Location
+from .untrusted import DCP_METADATA, DCP_RECORDS, AllowListUnpickler, Refused, check_plain_fields
 
 __all__ = ["load_dcp_metadata"]
 
@@ -29,15 +29,15 @@ def load_dcp_metadata(location: Location):
     Metadata = DCP_RECORDS["Metadata"]
     if not location.exists():
         raise CheckpointError(
-            f"{location}: missing; the dist_ckpt save was incomplete (every rank writes its .distcp file, then rank 0 "
-            "writes .metadata): copy the whole dist_ckpt folder again"
+            f"{location}: missing; the distributed checkpoint's save was incomplete (every rank writes its .distcp file, then rank 0 "
+            "writes .metadata): copy the whole checkpoint folder again"
         )
     try:
         with location.open("rb") as f:
             data = f.read()
         metadata = AllowListUnpickler(io.BytesIO(data), DCP_METADATA, file_bytes=len(data),
-                                      what="a dist_ckpt .metadata").load()
-        check_plain_fields(metadata, "a dist_ckpt .metadata")
+                                      what="a DCP .metadata").load()
+        check_plain_fields(metadata, "a DCP .metadata")
     except Refused as err:
         raise CheckpointError(
             f"{location}: refused to unpickle ({str(err).splitlines()[0]}); ckptflow only loads checkpoint metadata, "
@@ -57,7 +57,7 @@ def load_dcp_metadata(location: Location):
 
 
 def _check_storage_index(metadata, location: Location) -> None:
-    """Every count the metadata claims is bounded by the bytes the dist_ckpt folder really holds, before the reader
+    """Every count the metadata claims is bounded by the bytes the checkpoint folder really holds, before the reader
     builds anything from it (`numbers.claims`): each storage item names a present data file inside the folder and
     bytes of its own inside that file; each tensor chunk has its own storage item, lies inside its tensor and fits
     in its item's bytes; a tensor's chunks hold all its elements, and its shape claims no more places than the data
@@ -89,7 +89,7 @@ def _check_storage_index(metadata, location: Location) -> None:
     missing = sorted(path for path, data_file in data_files.items() if not data_file.exists())
     if missing:  # an absent file holds no bytes: nothing it is said to hold can be bounded, or read
         raise CheckpointError(f"{data_files[missing[0]]}: missing ({len(missing)} data files missing); the save was "
-                              "incomplete: copy the whole dist_ckpt folder again")
+                              "incomplete: copy the whole checkpoint folder again")
     file_sizes = {path: data_file.info()["size"] for path, data_file in data_files.items()}
     overclaim = overclaimed(extents, file_sizes.get)
     if overclaim:
@@ -129,7 +129,7 @@ def _data_file(folder: Location, relative, fqn: str, shown: Location) -> Locatio
     if not plain or posixpath.isabs(relative) or posixpath.normpath(relative) != relative \
             or relative.split("/")[0] in ("..", ".") or "://" in relative or "::" in relative:
         raise CheckpointError(
-            f"{shown}: {fqn} is stored in {str(relative)[:100]!r}, not a file of the dist_ckpt folder; the metadata was "
+            f"{shown}: {fqn} is stored in {str(relative)[:100]!r}, not a file of the checkpoint folder; the metadata was "
             "tampered with: ckptflow only reads data files inside the checkpoint folder"
         )
     location = folder.join(relative)
@@ -137,7 +137,7 @@ def _data_file(folder: Location, relative, fqn: str, shown: Location) -> Locatio
         real_folder, real = os.path.realpath(folder.url), os.path.realpath(location.url)
         if os.path.commonpath([real_folder, real]) != real_folder:
             raise CheckpointError(
-                f"{shown}: {fqn} is stored in {relative!r}, which resolves to {real}, outside the dist_ckpt folder; "
+                f"{shown}: {fqn} is stored in {relative!r}, which resolves to {real}, outside the checkpoint folder; "
                 "ckptflow only reads data files inside the checkpoint folder: copy the real files in"
             )
     return location

@@ -1,0 +1,72 @@
+"""Torch distributed checkpoints (`--backend dcp`, found by `auto`): folders written by torch's own `dcp.save` of
+`get_model_state_dict` on gloo ranks — FSDP2 (even and uneven boxes), HSDP, FSDP2 + tensor parallel on a (dp, tp)
+mesh — as a plain folder and in torchtitan's and Accelerate's layouts. Expected values: the trained model's own
+`save_pretrained` (reference/) and its logits, compared by `ckptflow test`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import assert_refused, upload
+from mergecore import open_checkpoint
+from weights import load_folder
+
+DCP_KINDS = ["dcp-fsdp2", "dcp-fsdp2-w3", "dcp-torchtitan", "dcp-accelerate", "dcp-hsdp", "dcp-fsdp2-tp"]
+
+
+@pytest.mark.parametrize("kind", DCP_KINDS)
+def test_every_dcp_layout_merges_to_save_pretrained_and_its_logits(kind, demo, cli, tmp_path):
+    """The run folder as the framework leaves it (torchtitan: RUN/checkpoint/step-N; Accelerate: the folder of
+    pytorch_model_fsdp_0), config and tokenizer from --hf_model_path: every tensor bit for bit, logits equal."""
+    ckpt = demo(kind)
+    result = cli("test", "--local_dir", ckpt.role_dir, "--hf_model_path", ckpt.reference_dir, "--test_hf_dir",
+                 ckpt.reference_dir, "--dtype", "fp32")
+    assert result.exit_code == 0, result.stderr
+    assert "test passed" in result.stdout and "logits" in result.stdout
+
+
+def test_the_layout_is_found_and_only_the_models_keys_are_read(demo):
+    titan = open_checkpoint(str(demo("dcp-torchtitan").role_dir), backend="auto")
+    assert titan.describe()["layout"] == "torchtitan" and titan.step == 1 and titan.location.name == "step-1"
+    accelerate = open_checkpoint(str(demo("dcp-accelerate").role_dir))
+    assert accelerate.describe()["layout"] == "accelerate" and accelerate.location.name == "pytorch_model_fsdp_0"
+    reference = set(load_folder(demo("dcp-accelerate").reference_dir))
+    assert set(accelerate.tensors()) == reference  # `model.` taken off, optimizer_0/ never opened
+    earlier = open_checkpoint(str(demo("dcp-torchtitan").role_dir / "checkpoint" / "step-0"))
+    assert any(k.startswith("optimizer.") for k in earlier.metadata.state_dict_metadata)  # the fixture has them
+    assert set(earlier.tensors()) == set(load_folder(demo("dcp-torchtitan").reference_dir))
+    tp = open_checkpoint(str(demo("dcp-fsdp2-tp").role_dir))
+    layouts = {info.layout for info in tp.tensors().values()}
+    assert "DCP: 4 boxes, cut along dim 0 (2), dim 1 (2)" in layouts  # row-parallel: (Shard(0), Shard(1))
+    assert "DCP: 4 boxes, cut along dim 0 (4)" in layouts  # column-parallel: (_StridedShard(0), Shard(0))
+
+
+def test_without_a_config_it_is_one_line_naming_hf_model_path(demo, cli, tmp_path):
+    result = cli("merge", "--local_dir", demo("dcp-fsdp2").role_dir, "--target_dir", tmp_path / "out")
+    assert_refused(result, tmp_path / "out", "--hf_model_path")
+
+
+def test_only_config_and_tokenizer_files_come_from_hf_model_path(demo, cli, tmp_path):
+    """--hf_model_path names a full Hugging Face folder (the reference holds weights): its weights are not copied."""
+    ckpt = demo("dcp-fsdp2")
+    result = cli("merge", "--local_dir", ckpt.role_dir, "--hf_model_path", ckpt.reference_dir, "--target_dir",
+                 tmp_path / "out", "--max-shard-size", "200KB")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads((tmp_path / "out" / "ckptflow_manifest.json").read_text())
+    assert "model.safetensors" not in manifest["files"] and len([f for f in manifest["files"] if f.endswith(
+        ".safetensors")]) > 1
+    assert {"config.json", "tokenizer_config.json"} <= set(manifest["files"])
+    assert cli("verify", tmp_path / "out").exit_code == 0
+
+
+def test_a_dcp_checkpoint_on_object_storage_merges_by_byte_ranges(s3_env, demo, cli, tmp_path):
+    ckpt = demo("dcp-fsdp2-tp")
+    url = upload(s3_env, ckpt, "ckpts/dcp-tp")
+    result = cli("merge", "--local_dir", url, "--hf_model_path", ckpt.reference_dir, "--target_dir", tmp_path / "out",
+                 "--dtype", "fp32")
+    assert result.exit_code == 0, result.stderr
+    merged, reference = load_folder(tmp_path / "out"), load_folder(ckpt.reference_dir)
+    assert sorted(merged) == sorted(reference)
+    assert all(merged[name].equal(reference[name]) for name in reference)
