@@ -70,3 +70,15 @@ def test_a_dcp_checkpoint_on_object_storage_merges_by_byte_ranges(s3_env, demo, 
     merged, reference = load_folder(tmp_path / "out"), load_folder(ckpt.reference_dir)
     assert sorted(merged) == sorted(reference)
     assert all(merged[name].equal(reference[name]) for name in reference)
+
+
+def test_promote_takes_a_torchtitan_run_folder(prefect_server, demo, tmp_path):
+    """The pipeline on the run folder torchtitan leaves: merged per group, proven against the trained model."""
+    from ckptflow.flows.promote import promote_checkpoint
+    from ckptflow.flows.requests import PromotionRequest
+
+    ckpt = demo("dcp-fsdp2-tp")
+    result = promote_checkpoint(PromotionRequest.of(str(ckpt.role_dir), str(tmp_path / "model"),
+                                                    hf_dir=str(ckpt.reference_dir), reference=str(ckpt.reference_dir)))
+    checks = {c["check"]: c["ok"] for c in result["checks"]}
+    assert checks == {"round-trip": True, "reference": True, "logits": True}
