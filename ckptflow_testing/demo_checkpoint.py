@@ -52,8 +52,8 @@ ARCHS = ("qwen2", "llama", "critic", "qwen3_moe", "qwen2_moe", "mixtral", "qwen2
          "qwen3_next", "sarvam_moe") + FAMILY_ARCHS
 MODES = ("fsdp2", "hsdp", "fsdp2_tp", "fsdp1_mesh", "fsdp1", "single")
 # How the trained model is saved: as verl's FSDPCheckpointManager does (rank files), or by torch's distributed
-# checkpoint (`dcp.save` of `get_model_state_dict`) as a plain folder, in torchtitan's layout (checkpoint/step-N,
-# flat keys) or in Accelerate's `save_state` layout (pytorch_model_fsdp_0/, keys under `model.`, optimizer_0/).
+# checkpoint (`dcp.save` of `get_model_state_dict`) as a plain folder or in torchtitan's layout (checkpoint/step-N,
+# flat keys), or by Accelerate's own FSDP save functions (pytorch_model_fsdp_0/, keys under `model.`, optimizer_0/).
 SAVES = ("verl", "dcp", "torchtitan", "accelerate")
 CONFIG_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -618,15 +618,33 @@ def _save_dcp(rank: int, spec: DemoSpec, model, optimizer, cls, config, role_dir
                    "train_state.step": torch.tensor(spec.step - 1 if spec.step else 0)}
         dcp.save(earlier, checkpoint_id=str(role_dir / "checkpoint" / f"step-{max(spec.step - 1, 0)}"))
         dcp.save(state, checkpoint_id=str(role_dir / "checkpoint" / f"step-{spec.step}"))
-    else:  # accelerate
-        dcp.save({"model": state}, checkpoint_id=str(role_dir / "pytorch_model_fsdp_0"))
-        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(role_dir / "optimizer_0"))
+    else:  # Accelerate's own save_state steps for FSDP2 with a sharded state dict (it picks FSDP on GPU backends only)
+        from accelerate import PartialState
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from accelerate.utils.fsdp_utils import save_fsdp_model, save_fsdp_optimizer
+
+        PartialState()  # its logging needs it; it joins the process group the ranks already have
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+        save_fsdp_model(plugin, _AcceleratorRank(rank), model, str(role_dir))
+        save_fsdp_optimizer(plugin, _AcceleratorRank(rank), optimizer, model, str(role_dir))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         fresh = cls(config).to(torch.float32)
         fresh.load_state_dict(full, strict=True)
         fresh.save_pretrained(reference_dir)
         shutil.rmtree(role_dir / "huggingface")  # a DCP save carries no config: --hf_model_path names one
+
+
+class _AcceleratorRank:
+    """What Accelerate's FSDP save functions ask of their `Accelerator` (its rank), without starting its state."""
+
+    def __init__(self, rank: int):
+        self.process_index = rank
+
+    def wait_for_everyone(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
 
 
 def _flat(state: dict, prefix: str = "") -> dict:

@@ -65,7 +65,8 @@ SERVABLE = {
 }
 
 # Torch distributed checkpoints (tests/core/formats/test_dcp.py): the model trained one step (TP: noise instead),
-# saved by torch's `dcp.save` of `get_model_state_dict` as a plain folder, in torchtitan's and in Accelerate's layout.
+# saved by torch's `dcp.save` of `get_model_state_dict` as a plain folder and in torchtitan's layout, and by
+# Accelerate's own FSDP save functions.
 DCP = {
     "dcp-fsdp2": DemoSpec(arch="llama", save="dcp"),
     "dcp-fsdp2-w3": DemoSpec(arch="llama", world_size=3, save="dcp"),  # vocab 1001 over 3: uneven boxes
