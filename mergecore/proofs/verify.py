@@ -280,7 +280,8 @@ def quantized_loader_config(quantization: dict):
     return CompressedTensorsConfig(dequantize=True)
 
 
-def _scheme_name(quantization: dict) -> str:
+def scheme_name(quantization: dict) -> str:
+    """The scheme of a quantized folder's `quantization_config`: fp8, w8a16 or w4a16."""
     if quantization.get("quant_method") == "fp8":
         return "fp8"
     bits = quantization["config_groups"]["group_0"]["weights"]["num_bits"]
@@ -301,7 +302,7 @@ def compare_quantized_logits(folder: Path, reference: Path, quantization: dict, 
 
     hf_logging.disable_progress_bar()
     device = logits_device(device)
-    auto, scheme = auto_class(folder), _scheme_name(quantization)
+    auto, scheme = auto_class(folder), scheme_name(quantization)
     ours, info = load_model(auto, folder, quantization_config=quantized_loader_config(quantization),
                              output_loading_info=True, trust_remote_code=trust_remote_code)
     odd = {kind: sorted(names)[:3] for kind, names in info.items() if kind in ("missing_keys", "unexpected_keys") and names}

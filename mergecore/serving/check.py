@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from ..errors import EngineUnavailable, VerificationError
-from ..proofs.verify import auto_class, load_model, quantized_loader_config
+from ..proofs.verify import auto_class, load_model, quantized_loader_config, scheme_name
 from ..storage.retries import env_number
 from ..model.folder import INDEX_FILE
 from ..storage.tensorio import SafetensorsFile, read_json, read_weight_map
@@ -49,7 +49,8 @@ def engine_check(folder: Path, engine: str = "vllm", python: str | os.PathLike |
     folder = Path(folder)
     config = read_json(folder / "config.json")
     text = config.get("text_config") or config
-    scheme = _scheme(config.get("quantization_config"))
+    quantization = config.get("quantization_config")
+    scheme = scheme_name(quantization) if quantization else None
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16") if scheme else "float32"
     prompt = [random.Random(0).randrange(text["vocab_size"]) for _ in range(PROMPT_TOKENS)]
     started = time.perf_counter()
@@ -62,10 +63,12 @@ def engine_check(folder: Path, engine: str = "vllm", python: str | os.PathLike |
     if result["status"] != "ran":
         raise VerificationError(f"{folder}: {where} cannot load or run it ({result.get('reason')}); the folder is not "
                                 "servable as it is")
-    expected = reference_logprobs(folder, prompt + result["generated"], config.get("quantization_config"))
+    expected = reference_logprobs(folder, prompt + result["generated"], quantization)
     # entry k of the engine's list scores token k+1 of prompt + generated, as row k of transformers' does
     diffs = [abs(logprob - expected[k][int(token)]) for k, scored in enumerate(result["logprobs"])
              for token, logprob in scored.items()]
+    if not diffs:
+        raise VerificationError(f"{folder}: {where} returned no logprobs; nothing was compared")
     tolerance = TOLERANCES[scheme or dtype]
     row = {"check": "engine", "engine": engine, "version": result["version"], "device": result["device"],
            "scheme": scheme or "none", "dtype": dtype, "compared": len(diffs), "max_abs_diff": max(diffs),
@@ -98,14 +101,6 @@ def _tensor_names(folder: Path) -> list[str]:
     if index.is_file():
         return list(read_weight_map(index))
     return [name for file in sorted(folder.glob("*.safetensors")) for name in SafetensorsFile(file).keys()]
-
-
-def _scheme(quantization: dict | None) -> str | None:
-    if not quantization:
-        return None
-    if quantization.get("quant_method") == "fp8":
-        return "fp8"
-    return f"w{quantization['config_groups']['group_0']['weights']['num_bits']}a16"
 
 
 def _run_probe(interpreter: Path, engine: str, request: dict) -> dict:
