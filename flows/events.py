@@ -21,15 +21,24 @@ from mergecore.storage.retries import Retries
 
 EVENT = "checkpoint.uploaded"
 _STEP_FOLDER = re.compile(r"^global_step_(\d+)$")
+_TITAN_STEP_FOLDER = re.compile(r"^step-(\d+)$")
 
 
 def step_and_run(checkpoint: str) -> tuple[int | None, str | None]:
-    """(step, run name) from a verl checkpoint path: the `global_step_N` folder and the one above it."""
+    """(step, run name) from a checkpoint path: verl's `global_step_N` folder and the one above it, or torchtitan's
+    `step-N` folder and the one above its `checkpoint/`.
+
+    >>> step_and_run("s3://ckpts/run1/global_step_7/actor"), step_and_run("/runs/llama/checkpoint/step-300")
+    ((7, 'run1'), (300, 'llama'))
+    """
     parts = [p for p in re.split(r"[/\\]+", checkpoint.split("://", 1)[-1]) if p]
     for i in range(len(parts) - 1, -1, -1):
         match = _STEP_FOLDER.match(parts[i])
         if match:
             return int(match[1]), (parts[i - 1] if i > 0 else None)
+        titan = _TITAN_STEP_FOLDER.match(parts[i])
+        if titan and i > 0 and parts[i - 1] == "checkpoint":
+            return int(titan[1]), (parts[i - 2] if i > 1 else None)
     return None, (parts[-1] if parts else None)
 
 

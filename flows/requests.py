@@ -193,6 +193,8 @@ class PromotionSettings(Part):
 
     role: str = Field("actor", description="actor or critic")
     backend: str = Field("auto", description="auto, fsdp, megatron, megatron_legacy, megatron_dist or dcp")
+    hf_dir: str | None = Field(None, description="folder with config.json and tokenizer files for checkpoints "
+                                                 "without huggingface/ (torch DCP: torchtitan, Accelerate)")
     how: Settings = Settings()
     private: bool = Field(True, description="visibility of a newly created Hub repo")
     hub_token_secret: str | None = Field(None, description="Prefect Secret block holding the Hub token "
@@ -209,6 +211,7 @@ class PromotionSettings(Part):
         """The promotion of `checkpoint` to `target` (and `hub_repo`@`revision`; None: no push) with these settings."""
         hub = (HubPush(repo=hub_repo, revision=revision, private=self.private, token_secret=self.hub_token_secret)
                if hub_repo else None)
-        return PromotionRequest(what=Source(checkpoint=checkpoint, role=self.role, backend=self.backend), how=self.how,
+        return PromotionRequest(what=Source(checkpoint=checkpoint, role=self.role, backend=self.backend,
+                                            hf_dir=self.hf_dir), how=self.how,
                                 where=Target(target=target), hub=hub, engine=self.engine,
                                 engine_python=self.engine_python)

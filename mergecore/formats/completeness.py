@@ -10,6 +10,8 @@ A checkpoint is a verl role folder (`.../<run>/global_step_<N>/<role>`). It is *
 - Megatron dist_ckpt: `.metadata` (torch DCP writes it after every rank's `.distcp`) and `metadata.json` in
   `model/dist_ckpt` or `dist_ckpt`, the config beside it; in verl 0.9.1's layout `ckpt_contents.json` (written
   last) and each part it lists;
+- a torch distributed checkpoint (`dcp.save`: torchtitan's `checkpoint/step-N`, Accelerate's `pytorch_model_fsdp_N`;
+  not an `optimizer_N` folder beside it): `.metadata`, which DCP writes after every rank's `__R_K.distcp`;
 - Megatron, when the run root holds `latest_checkpointed_iteration.txt` (verl writes it after the step):
   it names this step or a later one;
 - and, for every kind, the same files with the same sizes as at the previous poll (a copy in progress
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from ..errors import CheckpointError
 from ..storage import Location
 from ..numbers.claims import absent
-from .detect import DIST_DIR, DIST_METADATA_FILE, MP_RANK_DIR
+from .detect import DCP_DATA_FILE, DIST_DIR, DIST_METADATA_FILE, MP_RANK_DIR
 from .fsdp import read_fsdp_config
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -41,6 +43,7 @@ FSDP_CONFIG_FILE = "fsdp_config.json"
 HF_CONFIG = "huggingface/config.json"
 _ANY_RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 _STEP_FOLDER = re.compile(r"^global_step_(\d+)$")
+_OPTIMIZER_FOLDER = re.compile(r"^optimizer_\d+$")  # Accelerate's optimizer state beside pytorch_model_fsdp_N
 # verl 0.9.1's ckpt_contents.json entries -> a file each one must have produced
 _CONTENT_PROOF = {"model": f"model/{DIST_DIR}/{DIST_METADATA_FILE}",
                   "optimizer": f"optimizer/{DIST_DIR}/{DIST_METADATA_FILE}",
@@ -97,7 +100,7 @@ def _list_files(root: Location) -> Sizes:
 
 
 def _checkpoint_folders(files: Sizes) -> dict[str, str]:
-    """{folder relative to the root: "fsdp" | "megatron_legacy" | "megatron_dist"}, outermost folders only
+    """{folder relative to the root: "fsdp" | "megatron_legacy" | "megatron_dist" | "dcp"}, outermost folders only
     (verl 0.9.1's `model/dist_ckpt` would otherwise also make `model/` look like an old-layout folder)."""
     found: dict[str, str] = {}
     for path in files:
@@ -114,15 +117,19 @@ def _checkpoint_folders(files: Sizes) -> dict[str, str]:
                 found.setdefault(outer, "megatron_dist")
         if name == CONTENTS_FILE:
             found[parent] = "megatron_dist"
+        if DCP_DATA_FILE.match(name) and DIST_DIR not in parts and not _OPTIMIZER_FOLDER.match(parts[-2] if
+                                                                                               len(parts) > 1 else ""):
+            found.setdefault(parent, "dcp")
     return {f: kind for f, kind in found.items()
             if not any(f.startswith(other + "/") or (other == "" and f) for other in found if other != f)}
 
 
 def _missing(kind: str, files: Sizes, root: Location, folder: str) -> str | None:
     """Why the checkpoint folder is not complete yet, or None."""
-    checks = {"fsdp": _fsdp_missing, "megatron_legacy": _legacy_missing, "megatron_dist": _dist_missing}
+    checks = {"fsdp": _fsdp_missing, "megatron_legacy": _legacy_missing, "megatron_dist": _dist_missing,
+              "dcp": _dcp_missing}
     reason = checks[kind](files, root.join(folder) if folder else root)
-    if reason is None and kind != "fsdp":
+    if reason is None and kind not in ("fsdp", "dcp"):
         reason = _tracker_missing(root, folder)
     return reason
 
@@ -194,6 +201,10 @@ def _dist_missing(files: Sizes, folder: Location) -> str | None:
         needed = [f"{DIST_DIR}/{DIST_METADATA_FILE}", f"{DIST_DIR}/metadata.json", HF_CONFIG]
     absent = [p for p in dict.fromkeys(needed) if p not in files]
     return f"{absent[0]} missing" if absent else None
+
+
+def _dcp_missing(files: Sizes, folder: Location) -> str | None:
+    return None if DIST_METADATA_FILE in files else f"no {DIST_METADATA_FILE} (DCP writes it after every rank's data)"
 
 
 def _tracker_missing(root: Location, folder: str) -> str | None:

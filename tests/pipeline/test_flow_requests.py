@@ -54,8 +54,8 @@ def test_event_and_schedule_flows_keep_their_own_fields_flat_and_take_one_settin
     assert set(uploaded["properties"]) == event | boundary | {"settings"}
     assert set(latest["properties"]) == {"run_roots", "target_root", "hub_org", "keep_last_n", "settings"}
     for schema in (uploaded, latest):
-        assert fields_of(schema, "PromotionSettings") == {"role", "backend", "how", "private", "hub_token_secret",
-                                                             "engine", "engine_python"}
+        assert fields_of(schema, "PromotionSettings") == {"role", "backend", "hf_dir", "how", "private",
+                                                             "hub_token_secret", "engine", "engine_python"}
         assert fields_of(schema, "Settings") == fields_of(form(promote_checkpoint), "Settings")
 
 

@@ -82,3 +82,43 @@ def test_promote_takes_a_torchtitan_run_folder(prefect_server, demo, tmp_path):
                                                     hf_dir=str(ckpt.reference_dir), reference=str(ckpt.reference_dir)))
     checks = {c["check"]: c["ok"] for c in result["checks"]}
     assert checks == {"round-trip": True, "reference": True, "logits": True}
+
+
+def test_watch_announces_each_torchtitan_step_once_its_metadata_is_written(demo, tmp_path):
+    """`.metadata` is what DCP writes last: without it a step waits; with it, and unchanged over two polls, it is
+    complete. Accelerate's optimizer_0/ beside the model is never announced."""
+    import shutil
+
+    from mergecore.formats.completeness import poll
+
+    root = tmp_path / "runs"
+    shutil.copytree(demo("dcp-torchtitan").role_dir, root / "llama")
+    shutil.copytree(demo("dcp-accelerate").role_dir, root / "trl")
+    (root / "llama" / "checkpoint" / "step-1" / ".metadata").rename(tmp_path / "held-back")
+    first = poll(str(root))
+    second = poll(str(root), first.sizes)
+    step1, step0 = (str(root / "llama" / "checkpoint" / f"step-{n}") for n in (1, 0))
+    accelerate = str(root / "trl" / "pytorch_model_fsdp_0")
+    assert sorted(second.complete) == sorted([step0, accelerate]) and "no .metadata" in second.waiting[step1]
+    assert not any("optimizer_0" in url for url in [*second.complete, *second.waiting])
+    (tmp_path / "held-back").rename(root / "llama" / "checkpoint" / "step-1" / ".metadata")
+    assert step1 in poll(str(root), poll(str(root), second.sizes).sizes).complete
+
+
+def test_an_uploaded_torchtitan_step_is_promoted_with_the_deployments_hf_dir(prefect_server, demo, tmp_path):
+    """The event flow derives run and step from RUN/checkpoint/step-N; the deployment's settings name the config."""
+    import shutil
+
+    from ckptflow.flows.requests import PromotionSettings
+    from ckptflow.flows.service import promote_uploaded
+
+    ckpt = demo("dcp-torchtitan")
+    shutil.copytree(ckpt.role_dir, tmp_path / "ckpts" / "llama")
+    state = promote_uploaded(checkpoint=str(tmp_path / "ckpts" / "llama" / "checkpoint" / "step-1"),
+                             target_root=str(tmp_path / "models"), checkpoint_root=str(tmp_path / "ckpts"),
+                             settings=PromotionSettings(hf_dir=str(ckpt.reference_dir)), return_state=True)
+    assert state.is_completed(), state.message
+    merged = load_folder(tmp_path / "models" / "llama" / "step-1")
+    reference = load_folder(ckpt.reference_dir)
+    assert sorted(merged) == sorted(reference) and all(merged[n].equal(reference[n].to(merged[n].dtype))
+                                                       for n in reference)
