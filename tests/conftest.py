@@ -169,7 +169,13 @@ def s3_endpoint():
     # of whichever CLI call configured it (a CliRunner stream closed since), breaking later one-line asserts.
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     server.start()
-    yield f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
+    # moto keeps its buckets in process-wide state, not per server: without a reset, a bucket made by an earlier
+    # module's server is still there, and a test that creates it fails depending on the order modules ran in.
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST")).close()
+    yield url
     server.stop()
 
 
