@@ -383,6 +383,7 @@ def inspect(
     source: str = typer.Argument(..., help="Role folder, global_step_N folder or run root."),
     role: str = ROLE,
     backend: str = BACKEND,
+    hf_model_path: Optional[str] = HF_MODEL_PATH,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     custom_mapping: Optional[str] = CUSTOM_MAPPING,
     lora_alpha: Optional[float] = LORA_ALPHA,
@@ -396,7 +397,7 @@ def inspect(
     from mergecore.engine.merge import open_source
     from mergecore.describe import describe_source, refuse_unplaced, shown_view
 
-    what = MergeSource(source, role=role, backend=backend, custom_mapping=custom_mapping,
+    what = MergeSource(source, role=role, backend=backend, hf_dir=hf_model_path, custom_mapping=custom_mapping,
                        lora=lora_settings(alpha=lora_alpha, r=lora_r, target_modules=target_modules))
     opened = shown_view(open_source(what))
     lora = what.lora.overrides() or None

@@ -112,6 +112,35 @@ def demo(tmp_path_factory):
     return get
 
 
+TORCHTITAN_SITE = Path(__file__).resolve().parent.parent / ".venv" / "torchtitan"  # ./dev test installs it
+
+
+@pytest.fixture(scope="session")
+def titan(tmp_path_factory):
+    """`titan(model)` -> (run folder, reference folder) of a checkpoint of torchtitan's own `model` ("llama3",
+    "qwen3") written by torchtitan's CheckpointManager (tests/torchtitan_save.py), once per session."""
+    import os
+    import subprocess
+    import sys
+
+    if not (TORCHTITAN_SITE / "torchtitan").is_dir():
+        pytest.skip("torchtitan is not installed: ./dev test installs it into .venv/torchtitan")
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(model: str) -> tuple[Path, Path]:
+        if model not in made:
+            out = tmp_path_factory.mktemp(f"torchtitan-{model}")
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TORCHTITAN_SITE),
+                                                                             os.environ.get("PYTHONPATH")]))}
+            done = subprocess.run([sys.executable, str(Path(__file__).parent / "torchtitan_save.py"), str(out),
+                                   "--model", model], env=env, capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, done.stderr[-3000:]
+            made[model] = (out / "run", out / "reference")
+        return made[model]
+
+    return get
+
+
 @pytest.fixture
 def demo_copy(demo, tmp_path):
     """`demo_copy(name)` -> a private copy of a demo run that a test may damage."""

@@ -13,8 +13,9 @@ A transform knows how training split (and maybe fused) a tensor over `tp` ranks:
 The reader works one part and one rank at a time to keep memory at one output tensor:
 `extract(piece, part)` is a rank's slice of one part, `combine(slices, part)` joins the ranks,
 `scatter(tensor, tp, part)` undoes `combine` and `fuse({part: slice})` undoes `extract`.
-`row_map(rows, part)` says, at TP=1 (dist_ckpt's global tensors), which saved rows land where in `part`,
-so a reader can place a part straight from the saved rows without building it.
+`row_map(rows, part)` says, at TP=1 (dist_ckpt's and DCP's global tensors), which saved rows land where in
+`part`, so a reader can place a part straight from the saved rows without building it (`rows_placed` cuts a
+saved box of rows along those runs).
 
 Values are numpy arrays (bfloat16 as its uint16 bits, see `mergecore.numbers.arrays`): a merge never imports
 torch. Torch tensors work as well (the test fixtures cut real models with `split`); torch is then
@@ -27,7 +28,7 @@ import numpy as np
 
 __all__ = [
     "Transform", "ColumnParallel", "RowParallel", "Replicated", "VocabParallel", "FusedQKV", "GatedMLP",
-    "ReplicatedGatedMLP", "pad_vocab", "make_transform",
+    "ReplicatedGatedMLP", "InterleavedRope", "pad_vocab", "make_transform", "rows_placed",
 ]
 
 
@@ -102,10 +103,11 @@ class Transform:
         shape[self.dim] *= tp
         return tuple(shape)
 
-    def row_map(self, rows: int, part: str = "") -> list[tuple[int, int, int]]:
+    def row_map(self, rows: int, part: str = "") -> list[tuple[int, ...]]:
         """At TP=1, where the rows of a saved tensor of `rows` rows go: `(start, stop, first row in part)`
         for each run of saved rows `[start, stop)` that lands, in order, in `part` (what `extract` and
-        `trim` keep). A reader places `part` from these runs without building it.
+        `trim` keep); a fourth number, when there, is the run's step (every other saved row, say). A reader
+        places `part` from these runs without building it (`rows_placed`).
 
         >>> FusedQKV(4, 2, 1).row_map(8, "k")   # groups [q q k v] [q q k v]
         [(2, 3, 0), (6, 7, 1)]
@@ -359,11 +361,88 @@ class ReplicatedGatedMLP(GatedMLP):
         return (piece_shape[0] // 2, *piece_shape[1:])
 
 
-def _qkv(config: dict) -> FusedQKV:
+class InterleavedRope(Transform):
+    """q or k rows of a model whose rotary embedding pairs neighbouring features (Meta's Llama code, torchtitan's
+    `ComplexRoPE`): within each head, feature pairs (2i, 2i+1); Hugging Face's Llama rotates halves (i, i + d/2).
+    The Hub tensor has, per head, the even rows first, then the odd ones: a reordering of whole rows, so a
+    reader places it from strided runs of saved rows, streamed like any other.
+
+    >>> t = InterleavedRope(heads=2, head_dim=4); w = np.arange(8.)   # head 0: rows 0..3, head 1: rows 4..7
+    >>> t.extract(w).tolist()
+    [0.0, 2.0, 1.0, 3.0, 4.0, 6.0, 5.0, 7.0]
+    >>> t.row_map(8)
+    [(0, 4, 0, 2), (1, 4, 2, 2), (4, 8, 4, 2), (5, 8, 6, 2)]
+    >>> np.array_equal(t.fuse({"": t.extract(w)}), w)
+    True
+    """
+
+    kind = "rope"
+
+    def __init__(self, heads: int, head_dim: int):
+        if head_dim % 2:
+            raise ValueError(f"head_dim {head_dim} is odd: rotary embeddings pair features")
+        self.heads, self.head_dim = heads, head_dim
+
+    def _check(self, rows: int) -> None:
+        if rows != self.heads * self.head_dim:
+            raise ValueError(f"{rows} rows are not {self.heads} heads of {self.head_dim}")
+
+    def extract(self, piece, part=""):
+        self._check(piece.shape[0])
+        rest = piece.shape[1:]
+        heads = piece.reshape(self.heads, self.head_dim // 2, 2, *rest)
+        return heads.swapaxes(1, 2).reshape(piece.shape) if isinstance(piece, np.ndarray) else \
+            heads.transpose(1, 2).reshape(piece.shape)
+
+    def extract_views(self, piece, part=""):
+        return [piece[start:stop:step] for start, stop, _, step in self.row_map(piece.shape[0], part)]
+
+    def fuse(self, slices):
+        tensor = slices[""]
+        rest = tensor.shape[1:]
+        heads = tensor.reshape(self.heads, 2, self.head_dim // 2, *rest)
+        return heads.swapaxes(1, 2).reshape(tensor.shape) if isinstance(tensor, np.ndarray) else \
+            heads.transpose(1, 2).reshape(tensor.shape)
+
+    def row_map(self, rows, part=""):
+        self._check(rows)
+        half = self.head_dim // 2
+        return [(h * self.head_dim + odd, (h + 1) * self.head_dim, h * self.head_dim + odd * half, 2)
+                for h in range(self.heads) for odd in (0, 1)]
+
+    def __repr__(self) -> str:
+        return f"InterleavedRope({self.heads}, {self.head_dim})"
+
+
+def rows_placed(first: int, count: int, runs) -> list[tuple[slice, int]]:
+    """Where the saved rows `[first, first + count)` (a saved box of them) land: `(rows of the box, first row in
+    the part)` for each run of `row_map` the box meets; the box's rows of a run with a step are a strided slice.
+
+    >>> rows_placed(2, 4, [(0, 8, 0, 2), (1, 8, 4, 2)])   # rows 2..5: 2 and 4 to rows 1, 2; 3 and 5 to rows 5, 6
+    [(slice(0, 3, 2), 1), (slice(1, 4, 2), 5)]
+    >>> rows_placed(2, 4, [(0, 3, 0)])
+    [(slice(0, 1, 1), 2)]
+    """
+    placed = []
+    for start, stop, target, *step in runs:
+        step = step[0] if step else 1
+        skip = max(0, -(-(first - start) // step))          # the run's first row inside the box
+        end = min(-(-(stop - start) // step), -(-(first + count - start) // step))  # one past its last
+        if skip < end:
+            low = start + skip * step - first
+            placed.append((slice(low, low + (end - skip - 1) * step + 1, step), target + skip))
+    return placed
+
+
+def _heads(config: dict) -> tuple[int, int, int]:
+    """(attention heads, key-value heads, head_dim) of a Hugging Face config."""
     heads = int(config["num_attention_heads"])
     kv = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
-    return FusedQKV(heads, kv, head_dim)
+    return heads, kv, int(config.get("head_dim") or config["hidden_size"] // heads)
+
+
+def _qkv(config: dict) -> FusedQKV:
+    return FusedQKV(*_heads(config))
 
 
 # A mapping table's transform kinds, each with how to build it from a Hugging Face config: the one list of them.
@@ -374,6 +453,8 @@ KINDS = {
     "gated": lambda config: GatedMLP(),
     "vocab": lambda config: VocabParallel(int(config["vocab_size"])),
     "qkv": _qkv,
+    "rope_q": lambda config: InterleavedRope(_heads(config)[0], _heads(config)[2]),
+    "rope_k": lambda config: InterleavedRope(_heads(config)[1], _heads(config)[2]),
 }
 
 

@@ -5,7 +5,10 @@ Layouts found from the folder given (`formats.find_role_folder` descends to it):
 
 - a `dcp.save` folder: `.metadata` and the data files, flat model keys (`model.embed_tokens.weight`);
 - torchtitan: `RUN/checkpoint/step-N/` (the newest step unless one is named), flat keys; earlier steps also hold
-  `optimizer.*`, `lr_scheduler.*`, `dataloader`, `train_state.*`, which are never read;
+  `optimizer.*`, `lr_scheduler.*`, `dataloader`, `train_state.*`, which are never read. A Hugging Face model
+  trained by torchtitan keeps transformers' names; torchtitan's own models keep theirs (`tok_embeddings.weight`,
+  `layers.N.attention.qkv_linear.wq.weight`), mapped by `families.torchtitan_maps` (Llama 3's q/k rows
+  permuted per head for the Hub's rotary embedding);
 - Accelerate `save_state` with FSDP's sharded state dict: `DIR/pytorch_model_fsdp_0/`, model keys under `model.`
   (`model.model.embed_tokens.weight`); `optimizer_0/` and the pickled `random_states_*.pkl` beside it are never read.
 
@@ -25,8 +28,10 @@ from collections.abc import Iterable, Iterator
 from functools import cached_property
 
 from ..errors import CheckpointError
+from ..families.torchtitan_maps import hub_names, is_torchtitan_naming
+from ..families.transforms import Transform, rows_placed
 from ..storage import Location
-from .base import CheckpointSource, Piece, TensorInfo
+from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from .dcp_chunks import DcpChunks
 from .dcp_metadata import load_dcp_metadata
 from .detect import ACCELERATE_MODEL_DIR, DIST_METADATA_FILE
@@ -61,17 +66,36 @@ class DcpCheckpoint(DcpChunks, FetchesByGroup, CheckpointSource):
                 if isinstance(md, tensor) and key.startswith(self.key_prefix) and not key.startswith(NOT_MODEL)}
 
     @cached_property
+    def _saved(self) -> dict[str, tuple[str, Transform | None]]:
+        """Hugging Face name -> (DCP key, the transform placing its rows, or None when they are as saved):
+        transformers' names as they are, or torchtitan's own names through its table (`torchtitan_maps`)."""
+        names = {key[len(self.key_prefix):]: key for key in self._tensor_keys}
+        if not is_torchtitan_naming(names):
+            return {name: (key, None) for name, key in names.items()}
+        titan = hub_names(names, read_hf_config(self), str(self.dcp_dir.join(DIST_METADATA_FILE)))
+        return {name: (names[saved], transform) for name, (saved, transform) in titan.items()}
+
+    @cached_property
     def _keys(self) -> dict[str, str]:
         """Hugging Face name -> DCP key."""
-        return {key[len(self.key_prefix):]: key for key in self._tensor_keys}
+        return {name: key for name, (key, _) in self._saved.items()}
 
     @cached_property
     def _infos(self) -> dict[str, TensorInfo]:
         infos = {}
-        for name, key in self._keys.items():
+        for name, (key, transform) in self._saved.items():
             md = self._tensor_keys[key]
-            infos[name] = TensorInfo(name, tuple(int(s) for s in md.size), md.properties.dtype,
-                                     _split(self._chunk_files.get(key, [])))
+            shape = tuple(int(s) for s in md.size)
+            layout = _split(self._chunk_files.get(key, []))
+            if key != name:
+                layout += "; torchtitan's name" + (f", rows {transform!r}" if transform else "")
+            if transform:
+                try:
+                    transform.row_map(shape[0])
+                except ValueError as err:
+                    raise CheckpointError(f"{self.dcp_dir.join(DIST_METADATA_FILE)}: {key}: {err}; --hf_model_path "
+                                          "describes another model than the one trained: pass its config") from None
+            infos[name] = TensorInfo(name, shape, md.properties.dtype, layout)
         return infos
 
     def tensors(self) -> dict[str, TensorInfo]:
@@ -80,11 +104,16 @@ class DcpCheckpoint(DcpChunks, FetchesByGroup, CheckpointSource):
     def pieces(self, name: str) -> Iterator[Piece]:
         """Every saved box of `name` at its global offsets, a view of its mapped chunk (each saved once: DCP
         writes a replicated box from one rank only)."""
-        key = self._keys[name]
+        key, transform = self._saved[name]
         self._ready_for(name)
         for offsets, sizes, info in self._chunk_files.get(key, []):
-            yield Piece(f"{self.dcp_dir.join(info.relative_path)}: {key}", offsets, sizes,
-                        self._chunk_array(info, sizes))
+            source, box = f"{self.dcp_dir.join(info.relative_path)}: {key}", self._chunk_array(info, sizes)
+            if transform is None:
+                yield Piece(source, offsets, sizes, box)
+                continue
+            for box_rows, target in rows_placed(offsets[0], sizes[0], transform.row_map(self._infos[name].shape[0])):
+                rows = box[box_rows]
+                yield Piece(source, (target, *offsets[1:]), tuple(rows.shape), rows)
 
     def input_files(self, names: Iterable[str] | None = None) -> list[Location]:
         keys = self._tensor_keys if names is None else [self._keys[n] for n in names if n in self._keys]

@@ -44,7 +44,7 @@ from ...families.megatron_maps import SKIPPED, Mapped, resolve
 from ...storage import Location
 from ...storage.tensorio import read_json
 from ...numbers.arrays import numpy_dtype
-from ...families.transforms import Transform
+from ...families.transforms import Transform, rows_placed
 from ..base import CheckpointSource, Piece, TensorInfo
 from ..detect import DIST_METADATA_FILE, dist_ckpt_dir
 from ..dcp_chunks import DcpChunks
@@ -290,12 +290,9 @@ class MegatronDistCheckpoint(MegatronReader, DcpChunks, FetchesByGroup, Checkpoi
             if not s.shape:
                 yield Piece(source, (), (), view)
                 continue
-            first, stop = start[0], start[0] + view.shape[0]
-            for begin, end, target in runs:
-                lo, hi = max(begin, first), min(end, stop)
-                if lo < hi:
-                    rows = view[lo - first:hi - first]
-                    yield Piece(source, (target + lo - begin, *start[1:]), tuple(rows.shape), rows)
+            for box_rows, target in rows_placed(start[0], view.shape[0], runs):
+                rows = view[box_rows]
+                yield Piece(source, (target, *start[1:]), tuple(rows.shape), rows)
         if not found:
             raise CheckpointError(f"{self.dist_dir.join(DIST_METADATA_FILE)}: no chunk of {s.key} holds {s.index}; "
                                   "the metadata is damaged: copy the dist_ckpt folder again")

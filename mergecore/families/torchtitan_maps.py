@@ -1,0 +1,89 @@
+"""torchtitan's own parameter names -> Hugging Face names, per architecture, as plain data.
+
+torchtitan trains its own model classes (`torchtitan.models.llama3.Llama3Model`, `...qwen3.Qwen3Model`), whose
+checkpoints keep torchtitan's names (`tok_embeddings.weight`, `layers.N.attention.qkv_linear.wq.weight`,
+`layers.N.feed_forward.w1.weight`). Each table row reads `torchtitan pattern: (hf pattern, rows)`; `{}` is the
+layer number. `rows` is None when the saved tensor is the Hub's as it is, or a transform kind of
+`mergecore.families.transforms` that reorders its rows: torchtitan's Llama 3 pairs neighbouring features in its
+rotary embedding (`ComplexRoPE`) where Hugging Face's Llama rotates halves, so q and k rows are permuted per head
+(what torchtitan's own `Llama3StateDictAdapter.to_hf` does); its Qwen 3 already rotates halves (`CosSinRoPE`).
+
+The table is chosen by the Hugging Face config's `model_type` (`--hf_model_path`), which must describe the model
+that was trained.
+
+>>> sorted(TABLES)
+['llama', 'qwen3']
+>>> hub_names(["layers.0.attention.qkv_linear.wk.weight"], {"model_type": "llama", "num_attention_heads": 4,
+...            "num_key_value_heads": 2, "hidden_size": 64}, "ckpt")
+{'model.layers.0.self_attn.k_proj.weight': ('layers.0.attention.qkv_linear.wk.weight', InterleavedRope(2, 16))}
+"""
+
+from __future__ import annotations
+
+from ..errors import CheckpointError
+from .megatron_maps import find
+from .transforms import Transform, make_transform
+
+T = "layers.{}."
+H = "model.layers.{}."
+
+_DECODER = {
+    "tok_embeddings.weight": ("model.embed_tokens.weight", None),
+    T + "attention.qkv_linear.wv.weight": (H + "self_attn.v_proj.weight", None),
+    T + "attention.wv.weight": (H + "self_attn.v_proj.weight", None),  # torchtitan before its qkv_linear module
+    T + "attention.wo.weight": (H + "self_attn.o_proj.weight", None),
+    T + "feed_forward.w1.weight": (H + "mlp.gate_proj.weight", None),
+    T + "feed_forward.w3.weight": (H + "mlp.up_proj.weight", None),
+    T + "feed_forward.w2.weight": (H + "mlp.down_proj.weight", None),
+    T + "attention_norm.weight": (H + "input_layernorm.weight", None),
+    T + "ffn_norm.weight": (H + "post_attention_layernorm.weight", None),
+    "norm.weight": ("model.norm.weight", None),
+    "lm_head.weight": ("lm_head.weight", None),
+}
+
+
+def _qk(rows_q: str | None, rows_k: str | None) -> dict:
+    return {T + f"attention.{at}w{p}.weight": (H + f"self_attn.{p}_proj.weight", rows)
+            for p, rows in (("q", rows_q), ("k", rows_k)) for at in ("qkv_linear.", "")}
+
+
+LLAMA3 = {**_DECODER, **_qk("rope_q", "rope_k")}
+
+QWEN3 = {
+    **_DECODER, **_qk(None, None),
+    T + "attention.q_norm.weight": (H + "self_attn.q_norm.weight", None),
+    T + "attention.k_norm.weight": (H + "self_attn.k_norm.weight", None),
+}
+
+TABLES = {"llama": LLAMA3, "qwen3": QWEN3}
+
+
+def is_torchtitan_naming(keys) -> bool:
+    """Whether saved model keys are torchtitan's own names rather than a Hugging Face model's.
+
+    >>> is_torchtitan_naming(["tok_embeddings.weight"]), is_torchtitan_naming(["model.embed_tokens.weight"])
+    (True, False)
+    """
+    return any(key == "tok_embeddings.weight" or key.startswith(T[:-3]) for key in keys)
+
+
+def hub_names(keys, config: dict, where: str) -> dict[str, tuple[str, Transform | None]]:
+    """Hub name -> (saved torchtitan key, the transform placing its rows, or None when they are as saved), for
+    every key; a one-line CheckpointError (`where` first) names a model type or key no table maps."""
+    model_type = config.get("model_type")
+    table = TABLES.get(model_type)
+    if table is None:
+        raise CheckpointError(
+            f"{where}: holds torchtitan's own parameter names (tok_embeddings, layers.N.attention...), but the "
+            f"config of --hf_model_path is a {model_type!r} model; ckptflow maps torchtitan's "
+            f"{' and '.join(TABLES)} models: pass --hf_model_path of the Hugging Face model that was trained")
+    names = {}
+    for key in keys:
+        mapped = find(key, table)
+        if mapped is None:
+            raise CheckpointError(
+                f"{where}: {key} has no Hugging Face name for torchtitan's {model_type} model; the checkpoint is "
+                "of another torchtitan model than --hf_model_path describes: pass the matching config")
+        rows = table[mapped.pattern][1]
+        names[mapped.hf_names()[0]] = (key, make_transform(rows, config) if rows else None)
+    return names
