@@ -33,6 +33,8 @@ FAMILY_CLASSES = {
     "mixtral_noise": ("MixtralConfig", "MixtralForCausalLM"),
     # a Mamba-2 / attention hybrid: config.json holds a non-finite number (time_step_limit [0, Infinity])
     "bamba": ("BambaConfig", "BambaForCausalLM"),
+    # its save transposes the router (`mlp.gate.linear.weight` -> `feed_forward.gate_kernel`): elements reordered
+    "ergo": ("ErgoConfig", "ErgoForCausalLM"),
 }
 FAMILY_ARCHS = tuple(FAMILY_CLASSES)
 
@@ -169,6 +171,10 @@ def _fields(spec, tokenizer) -> dict[str, Any]:
         return dict(**text, intermediate_size=_DENSE_WIDTH, attn_layer_indices=[1], mamba_n_heads=4,
                     mamba_d_head=2 * spec.hidden_size // 4, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16,
                     dtype=dtype)
+    if arch == "ergo":  # one dense then one MoE layer (with shared experts); sliding then full attention
+        return dict(**text, **sliding, first_dense_intermediate_size=_DENSE_WIDTH, num_dense_blocks=1,
+                    moe_intermediate_size=_EXPERT_WIDTH, shared_intermediate_size=_SHARED_WIDTH, num_experts=_EXPERTS,
+                    num_experts_per_tok=2, global_attention_every_n_layers=2, dtype=dtype)
     if arch == "mixtral_noise":
         return dict(**text, intermediate_size=_EXPERT_WIDTH, num_local_experts=_EXPERTS, num_experts_per_tok=2,
                     dtype=dtype)

@@ -24,13 +24,15 @@ from ..errors import CheckpointError
 from ..formats.base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from ..families.layout import _PATTERNS
 from ..families.meta_model import meta_model
+from ..numbers.arrays import to_numpy
 
 
 @dataclass(frozen=True)
 class HubSlice:
     """Output tensor = `source[start:stop]` with the source dims not in `dims` squeezed (each of size 1).
 
-    `dims[j]` is the source dim output dim j runs along, or None for an output dim of size 1.
+    `dims[j]` is the source dim output dim j runs along, or None for an output dim of size 1; dims in another
+    order than the source's are a transpose.
     """
 
     source: str
@@ -199,12 +201,14 @@ def _as_slice(name: str, tensor, by_id: dict[int, str]) -> HubSlice:
     offset = tensor.storage_offset()
     start = [(offset // c) % s if s else 0 for c, s in zip(contiguous, shape)]
     stop = [i + 1 for i in start]
-    dims, last = [], -1
+    dims = []
     for size, stride in zip(tensor.shape, tensor.stride()):
         if size == 1:
             dims.append(None)
             continue
-        d = next((d for d in range(last + 1, len(shape)) if contiguous[d] == stride and shape[d] >= size), None)
+        # any source dim not used yet: a transpose (Ergo's `gate_kernel`) is a box read along permuted dims
+        d = next((d for d in range(len(shape)) if d not in dims and contiguous[d] == stride and shape[d] >= size),
+                 None)
         if d is None:
             raise CheckpointError(
                 f"transformers' save conversion reorders the elements of {source} to make {name}; ckptflow "
@@ -212,7 +216,6 @@ def _as_slice(name: str, tensor, by_id: dict[int, str]) -> HubSlice:
             )
         stop[d] = start[d] + size
         dims.append(d)
-        last = d
     if sum(i * c for i, c in zip(start, contiguous)) != offset:
         raise CheckpointError(f"{name}: transformers' save conversion is not a box of {source}; please report this")
     return HubSlice(source, tuple(start), tuple(stop), tuple(dims))
@@ -352,7 +355,10 @@ def _piece_in_slice(piece, hub: HubSlice):
     high = [min(o + s, b) for o, s, b in zip(piece.offsets, piece.sizes, hub.stop)]
     if any(h <= lo for lo, h in zip(low, high)):
         return None
-    local = piece.tensor[tuple(slice(lo - o, h - o) for lo, h, o in zip(low, high, piece.offsets))]
+    local = to_numpy(piece.tensor)[tuple(slice(lo - o, h - o) for lo, h, o in zip(low, high, piece.offsets))]
     offsets = tuple(0 if d is None else low[d] - hub.start[d] for d in hub.dims)
     sizes = tuple(1 if d is None else high[d] - low[d] for d in hub.dims)
-    return Piece(piece.source, offsets, sizes, local.reshape(sizes), piece.primary)
+    used = [d for d in hub.dims if d is not None]
+    along = sorted(used)  # the box's own dims in source order (the others have size 1)
+    moved = local.reshape([high[d] - low[d] for d in along]).transpose([along.index(d) for d in used])
+    return Piece(piece.source, offsets, sizes, moved.reshape(sizes), piece.primary)

@@ -61,6 +61,10 @@ SIGNATURES = {
     # time_step_limit [0.0, {"__float__": "Infinity"}] (was refused: transformers cannot build it from the dict)
     "bamba": {"model.layers.0.mamba.in_proj.weight": (292, 64), "model.layers.0.mamba.conv1d.weight": (160, 1, 4),
               "model.layers.1.self_attn.q_proj.weight": (64, 64)},
+    # its save transposes the router and the shared experts (was refused: "reorders the elements of
+    # model.layers.1.mlp.gate.linear.weight"): in memory [experts, hidden] and [56, 64], in the Hub's files transposed
+    "ergo": {"layers.1.feed_forward.gate_kernel": (64, 4), "layers.1.feed_forward.shared_up_proj": (64, 56),
+             "layers.1.feed_forward.up_proj": (4, 64, 40)},
 }
 
 
@@ -201,3 +205,14 @@ def test_a_config_with_a_non_finite_number_is_read_as_transformers_reads_it_and_
     assert written["time_step_limit"] == [0.0, {"__float__": "Infinity"}]  # the fixture holds the case
     merged_config = json.loads((merged("bamba")[1] / "config.json").read_text())
     assert merged_config["time_step_limit"] == written["time_step_limit"]
+
+
+def test_transposed_outputs_stream_in_row_blocks(families, tmp_path, monkeypatch):
+    """Ergo's Hub files hold the router and shared experts transposed: each output row block reads a column block
+    of every rank's rows (a strided view), within a chunk budget of a few rows, and the round trip finds each
+    saved piece in place."""
+    monkeypatch.setenv("CKPTFLOW_CHUNK_BYTES", "512")  # 2 rows of 64 fp32; 4 rows of shared_up_proj's 56
+    merge_checkpoint(str(families["ergo"].role_dir), tmp_path / "out", dtype="keep")
+    weights, reference = load_folder(tmp_path / "out"), load_folder(families["ergo"].reference_dir)
+    for name in ("layers.1.feed_forward.gate_kernel", "layers.1.feed_forward.shared_up_proj"):
+        assert torch.equal(weights[name], reference[name]), name
