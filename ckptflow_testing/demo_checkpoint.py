@@ -53,7 +53,7 @@ ARCHS = ("qwen2", "llama", "critic", "qwen3_moe", "qwen2_moe", "mixtral", "qwen2
 MODES = ("fsdp2", "hsdp", "fsdp2_tp", "fsdp1_mesh", "fsdp1", "single")
 # How the trained model is saved: as verl's FSDPCheckpointManager does (rank files), or by torch's distributed
 # checkpoint (`dcp.save` of `get_model_state_dict`) as a plain folder or in torchtitan's layout (checkpoint/step-N,
-# flat keys), or by Accelerate's own FSDP save functions (pytorch_model_fsdp_0/, keys under `model.`, optimizer_0/).
+# flat keys), or by Accelerate's own `save_state` (pytorch_model_fsdp_0/, keys under `model.`, optimizer_0/, random_states_R.pkl).
 SAVES = ("verl", "dcp", "torchtitan", "accelerate")
 CONFIG_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -618,15 +618,8 @@ def _save_dcp(rank: int, spec: DemoSpec, model, optimizer, cls, config, role_dir
                    "train_state.step": torch.tensor(spec.step - 1 if spec.step else 0)}
         dcp.save(earlier, checkpoint_id=str(role_dir / "checkpoint" / f"step-{max(spec.step - 1, 0)}"))
         dcp.save(state, checkpoint_id=str(role_dir / "checkpoint" / f"step-{spec.step}"))
-    else:  # Accelerate's own save_state steps for FSDP2 with a sharded state dict (it picks FSDP on GPU backends only)
-        from accelerate import PartialState
-        from accelerate.utils import FullyShardedDataParallelPlugin
-        from accelerate.utils.fsdp_utils import save_fsdp_model, save_fsdp_optimizer
-
-        PartialState()  # its logging needs it; it joins the process group the ranks already have
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
-        save_fsdp_model(plugin, _AcceleratorRank(rank), model, str(role_dir))
-        save_fsdp_optimizer(plugin, _AcceleratorRank(rank), optimizer, model, str(role_dir))
+    else:
+        _accelerate_save_state(model, optimizer, role_dir)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         fresh = cls(config).to(torch.float32)
@@ -635,16 +628,22 @@ def _save_dcp(rank: int, spec: DemoSpec, model, optimizer, cls, config, role_dir
         shutil.rmtree(role_dir / "huggingface")  # a DCP save carries no config: --hf_model_path names one
 
 
-class _AcceleratorRank:
-    """What Accelerate's FSDP save functions ask of their `Accelerator` (its rank), without starting its state."""
+def _accelerate_save_state(model, optimizer, role_dir: Path) -> None:
+    """Accelerate's own `Accelerator.save_state` of an FSDP2 model with a sharded state dict, as TRL runs it:
+    `pytorch_model_fsdp_0/`, `optimizer_0/`, `random_states_R.pkl`. Accelerate picks FSDP on GPU backends only,
+    so on CPU its (shared) state is switched to FSDP after the Accelerator is built, and the model and
+    optimizer, already sharded, are handed to it as `prepare` would leave them."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    def __init__(self, rank: int):
-        self.process_index = rank
-
-    def wait_for_everyone(self) -> None:
-        import torch.distributed as dist
-
-        dist.barrier()
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    accelerator = Accelerator(cpu=True)  # MULTI_CPU over the ranks' process group: one random_states_R.pkl per rank
+    for state in (accelerator.state, PartialState()):  # saving the optimizer reads the shared PartialState's
+        state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    accelerator._models.append(model)
+    accelerator._optimizers.append(optimizer)
+    accelerator.save_state(str(role_dir))
 
 
 def _flat(state: dict, prefix: str = "") -> dict:

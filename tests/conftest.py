@@ -66,7 +66,7 @@ SERVABLE = {
 
 # Torch distributed checkpoints (tests/core/formats/test_dcp.py): the model trained one step (TP: noise instead),
 # saved by torch's `dcp.save` of `get_model_state_dict` as a plain folder and in torchtitan's layout, and by
-# Accelerate's own FSDP save functions.
+# Accelerate's own `Accelerator.save_state`.
 DCP = {
     "dcp-fsdp2": DemoSpec(arch="llama", save="dcp"),
     "dcp-fsdp2-w3": DemoSpec(arch="llama", world_size=3, save="dcp"),  # vocab 1001 over 3: uneven boxes

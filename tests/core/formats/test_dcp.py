@@ -6,6 +6,7 @@ mesh — as a plain folder and in torchtitan's and Accelerate's layouts. Expecte
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -122,3 +123,31 @@ def test_an_uploaded_torchtitan_step_is_promoted_with_the_deployments_hf_dir(pre
     reference = load_folder(ckpt.reference_dir)
     assert sorted(merged) == sorted(reference) and all(merged[n].equal(reference[n].to(merged[n].dtype))
                                                        for n in reference)
+
+
+class _Opens:
+    """A pickle that, once unpickled with plain pickle, creates the file it names."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (str(self.path), "w")
+
+
+def test_accelerates_random_states_pickles_are_never_unpickled(demo, cli, tmp_path):
+    """Accelerate's save_state leaves random_states_R.pkl (pickles) beside the model: a hostile one changes nothing."""
+    import pickle
+
+    ckpt = demo("dcp-accelerate")
+    folder = tmp_path / "trl"
+    shutil.copytree(ckpt.role_dir, folder)
+    assert sorted(p.name for p in folder.glob("random_states_*.pkl")) == ["random_states_0.pkl", "random_states_1.pkl"]
+    marker = tmp_path / "unpickled"
+    (folder / "random_states_0.pkl").write_bytes(pickle.dumps(_Opens(marker)))
+    result = cli("merge", "--local_dir", folder, "--hf_model_path", ckpt.reference_dir, "--target_dir", tmp_path / "out",
+                 "--dtype", "fp32")
+    assert result.exit_code == 0, result.stderr
+    assert not marker.exists()
+    merged, reference = load_folder(tmp_path / "out"), load_folder(ckpt.reference_dir)
+    assert sorted(merged) == sorted(reference) and all(merged[n].equal(reference[n]) for n in reference)
