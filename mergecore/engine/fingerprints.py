@@ -30,7 +30,7 @@ OUTPUT_CODE = (
     "engine/remote_writer.py", "engine/merge.py", "model/folder.py", "model/adapter.py", "storage/locations.py",
     "storage/publishable.py", "storage/ranges.py", "views/hub_layout.py", "views/lora.py", "quantize/__init__.py",
     "quantize/kernels.py", "quantize/schemes.py", "quantize/stream.py",
-    "families/meta_model.py",
+    "families/meta_model.py", "families/torchtitan_maps.py",
 )
 NOT_OUTPUT_CODE = (
     "__init__.py", "api.py", "request.py", "errors.py", "hub.py", "describe.py", "picture.py", "engine/__init__.py",

@@ -1,4 +1,4 @@
-"""Model families as data: HF name and shape tables, Megatron name tables, the two-way tensor transforms, and the config check against transformers."""
+"""Model families as data: HF name and shape tables, Megatron and torchtitan name tables, the two-way tensor transforms, and the config check against transformers."""
 
 from .registry import Family, register_family
 
