@@ -5,8 +5,8 @@ Run as a script in a process that can import torchtitan (`./dev test` installs i
 
     PYTHONPATH=.venv/torchtitan python tests/torchtitan_save.py OUT --model llama3
 
-Two gloo ranks build torchtitan's model (Llama 3 with grouped-query attention and Llama 3 RoPE scaling, or Qwen 3
-with q/k norms) at a tiny size, shard every block and the root with FSDP2 (`fully_shard`, as torchtitan's
+Two gloo ranks build torchtitan's model (Llama 3 with grouped-query attention and Llama 3 RoPE scaling, Qwen 3
+with q/k norms, or Qwen 3 MoE with grouped experts and a load-balancing bias) at a tiny size, shard every block and the root with FSDP2 (`fully_shard`, as torchtitan's
 `apply_fsdp`), train two AdamW steps and save after each through `CheckpointManager` (step 1 with the optimizer,
 learning-rate and training state; the last one model-only, torchtitan's default). Written under OUT:
 
@@ -19,6 +19,7 @@ learning-rate and training state; the last one model-only, torchtitan's default)
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -28,7 +29,8 @@ import torch
 from ckptflow.testing.demo_checkpoint import LOGITS_FILE, _build_tokenizer, _free_port, _save_tokenizer
 
 VOCAB, DIM, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 1001, 64, 4, 2, 16, 2
-MODELS = ("llama3", "qwen3")
+EXPERTS, TOP_K, EXPERT_DIM = 4, 2, 40
+MODELS = ("llama3", "qwen3", "qwen3_moe")
 
 
 def _titan_config(model: str):
@@ -49,12 +51,16 @@ def _titan_config(model: str):
         norm = RMSNorm.Config(normalized_shape=DIM, param_init=init)
     else:
         from torchtitan.models.common import CosSinRoPE
-        from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers, _qwen3_norm
+        from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers, _build_qwen3_moe_layers, _qwen3_norm
 
         cls = Qwen3Model
-        layers = _build_qwen3_layers(
-            n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=HEAD_DIM, hidden_dim=2 * DIM,
-            attn_backend="flex", rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=4096, theta=1000000.0))
+        shared = dict(n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                      attn_backend="flex", rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=4096, theta=1000000.0))
+        if model == "qwen3":
+            layers = _build_qwen3_layers(**shared, hidden_dim=2 * DIM)
+        else:
+            layers = _build_qwen3_moe_layers(**shared, moe_hidden_dim=EXPERT_DIM, num_experts=EXPERTS, top_k=TOP_K,
+                                             moe_comm_backend="standard")
         norm = _qwen3_norm(DIM)
     for layer in layers:  # FlexAttention goes through torch.compile; torchtitan's SDPA module runs on CPU as is
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
@@ -65,9 +71,9 @@ def _titan_config(model: str):
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=linear))
 
 
-def _hf_model(model: str):
-    """The Hugging Face model torchtitan's adapter converts to, configured as torchtitan's model computes."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+def _hf_config(model: str):
+    """The Hugging Face config of the model torchtitan's adapter converts to, as torchtitan's model computes."""
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=LAYERS,
                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
@@ -75,10 +81,14 @@ def _hf_model(model: str):
     if model == "llama3":
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        return LlamaForCausalLM(LlamaConfig(**common, rms_norm_eps=1e-5, rope_parameters=rope,
-                                            max_position_embeddings=131072))
+        return LlamaConfig(**common, rms_norm_eps=1e-5, rope_parameters=rope, max_position_embeddings=131072)
     rope = {"rope_type": "default", "rope_theta": 1000000.0}
-    return Qwen3ForCausalLM(Qwen3Config(**common, rms_norm_eps=1e-6, rope_parameters=rope))
+    if model == "qwen3":
+        return Qwen3Config(**common, rms_norm_eps=1e-6, rope_parameters=rope)
+    # torchtitan's router: softmax over the experts, top-k renormalised (route_norm); every layer an MoE layer
+    return Qwen3MoeConfig(**common, rms_norm_eps=1e-6, rope_parameters=rope, num_experts=EXPERTS,
+                          num_experts_per_tok=TOP_K, moe_intermediate_size=EXPERT_DIM, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[])
 
 
 class _TrainState:
@@ -155,9 +165,21 @@ def _write_reference(model_name: str, config, full: dict, reference: Path) -> No
     ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(4242))
     with torch.no_grad():
         own = {"input_ids": ids, "logits": plain(ids).float()}
-    hf = _hf_model(model_name)
-    hf.load_state_dict(Adapter(config, None).to_hf(full), strict=True)
+    # through a folder, as users hold the adapter's output: transformers loads per-expert tensors into its fused
+    # experts on load and writes them per expert again on save
+    import tempfile
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    converted = Path(tempfile.mkdtemp(prefix="adapter-output-"))
+    save_file({k: v.contiguous() for k, v in Adapter(config, None).to_hf(full).items()},
+              converted / "model.safetensors", metadata={"format": "pt"})
+    _hf_config(model_name).save_pretrained(converted)
+    hf, info = AutoModelForCausalLM.from_pretrained(converted, output_loading_info=True)
+    assert not any(info.values()), info  # every tensor of the adapter's output loaded, none missing
     hf.save_pretrained(reference)
+    shutil.rmtree(converted)
     _save_tokenizer(_build_tokenizer(VOCAB), reference, "llama")
     torch.save(own, reference / LOGITS_FILE)
 

@@ -3,7 +3,9 @@
 torchtitan trains its own model classes (`torchtitan.models.llama3.Llama3Model`, `...qwen3.Qwen3Model`), whose
 checkpoints keep torchtitan's names (`tok_embeddings.weight`, `layers.N.attention.qkv_linear.wq.weight`,
 `layers.N.feed_forward.w1.weight`). Each table row reads `torchtitan pattern: (hf pattern, rows)`; `{}` is the
-layer number. `rows` is None when the saved tensor is the Hub's as it is, or a transform kind of
+layer number. `rows` is None when the saved tensor is the Hub's as it is, `"experts"` for torchtitan's grouped
+experts (one `[experts, ...]` tensor per layer; the Hub's pattern takes the expert number second: each expert's slice
+along dim 0 is one Hub tensor, as its MoE adapters split them), or a transform kind of
 `mergecore.families.transforms` that reorders its rows: torchtitan's Llama 3 pairs neighbouring features in its
 rotary embedding (`ComplexRoPE`) where Hugging Face's Llama rotates halves, so q and k rows are permuted per head
 (what torchtitan's own `Llama3StateDictAdapter.to_hf` does); its Qwen 3 already rotates halves (`CosSinRoPE`).
@@ -11,14 +13,21 @@ rotary embedding (`ComplexRoPE`) where Hugging Face's Llama rotates halves, so q
 The table is chosen by the Hugging Face config's `model_type` (`--hf_model_path`), which must describe the model
 that was trained.
 
+An hf pattern of None marks a tensor the Hub's model does not hold (torchtitan's load-balancing `expert_bias_E` of
+Qwen 3 MoE, which its adapter drops too): never read.
+
 >>> sorted(TABLES)
-['llama', 'qwen3']
->>> hub_names(["layers.0.attention.qkv_linear.wk.weight"], {"model_type": "llama", "num_attention_heads": 4,
-...            "num_key_value_heads": 2, "hidden_size": 64}, "ckpt")
-{'model.layers.0.self_attn.k_proj.weight': ('layers.0.attention.qkv_linear.wk.weight', InterleavedRope(2, 16))}
+['llama', 'qwen3', 'qwen3_moe']
+>>> hub_names({"layers.0.attention.qkv_linear.wk.weight": (32, 64)}, {"model_type": "llama",
+...            "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}, "ckpt")
+{'model.layers.0.self_attn.k_proj.weight': Saved(key='layers.0.attention.qkv_linear.wk.weight', rows=InterleavedRope(2, 16), expert=None)}
+>>> list(hub_names({"layers.1.moe.routed_experts.inner_experts.w2_EDF": (2, 64, 40)}, {"model_type": "qwen3_moe"}, "ckpt"))
+['model.layers.1.mlp.experts.0.down_proj.weight', 'model.layers.1.mlp.experts.1.down_proj.weight']
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from ..errors import CheckpointError
 from .megatron_maps import find
@@ -55,7 +64,27 @@ QWEN3 = {
     T + "attention.k_norm.weight": (H + "self_attn.k_norm.weight", None),
 }
 
-TABLES = {"llama": LLAMA3, "qwen3": QWEN3}
+_EXPERTS = T + "moe.routed_experts.inner_experts."
+_HUB_EXPERT = H + "mlp.experts.{}."
+QWEN3_MOE = {
+    **QWEN3,
+    _EXPERTS + "w1_EFD": (_HUB_EXPERT + "gate_proj.weight", "experts"),
+    _EXPERTS + "w3_EFD": (_HUB_EXPERT + "up_proj.weight", "experts"),
+    _EXPERTS + "w2_EDF": (_HUB_EXPERT + "down_proj.weight", "experts"),
+    T + "moe.router.gate.weight": (H + "mlp.gate.weight", None),
+    T + "moe.expert_bias_E": (None, None),
+}
+
+TABLES = {"llama": LLAMA3, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
+
+
+class Saved(NamedTuple):
+    """Where one Hub tensor is saved: the torchtitan key, the transform placing its rows (None: as saved) and, for
+    grouped experts, the expert's index along the key's dim 0."""
+
+    key: str
+    rows: Transform | None = None
+    expert: int | None = None
 
 
 def is_torchtitan_naming(keys) -> bool:
@@ -67,9 +96,9 @@ def is_torchtitan_naming(keys) -> bool:
     return any(key == "tok_embeddings.weight" or key.startswith(T[:-3]) for key in keys)
 
 
-def hub_names(keys, config: dict, where: str) -> dict[str, tuple[str, Transform | None]]:
-    """Hub name -> (saved torchtitan key, the transform placing its rows, or None when they are as saved), for
-    every key; a one-line CheckpointError (`where` first) names a model type or key no table maps."""
+def hub_names(shapes: dict[str, tuple[int, ...]], config: dict, where: str) -> dict[str, Saved]:
+    """Hub name -> where it is saved, for every torchtitan key of `shapes` ({key: saved shape}); a one-line
+    CheckpointError (`where` first) names a model type or key no table maps."""
     model_type = config.get("model_type")
     table = TABLES.get(model_type)
     if table is None:
@@ -78,12 +107,17 @@ def hub_names(keys, config: dict, where: str) -> dict[str, tuple[str, Transform 
             f"config of --hf_model_path is a {model_type!r} model; ckptflow maps torchtitan's "
             f"{' and '.join(TABLES)} models: pass --hf_model_path of the Hugging Face model that was trained")
     names = {}
-    for key in keys:
-        mapped = find(key, table)
+    for key, shape in shapes.items():
+        mapped = find(key, {pattern: (hf or "", rows) for pattern, (hf, rows) in table.items()})
         if mapped is None:
             raise CheckpointError(
                 f"{where}: {key} has no Hugging Face name for torchtitan's {model_type} model; the checkpoint is "
                 "of another torchtitan model than --hf_model_path describes: pass the matching config")
-        rows = table[mapped.pattern][1]
-        names[mapped.hf_names()[0]] = (key, make_transform(rows, config) if rows else None)
+        hf, rows = table[mapped.pattern]
+        if hf is None:
+            continue
+        if rows == "experts":
+            names.update((hf.format(*mapped.indices, e), Saved(key, expert=e)) for e in range(shape[0]))
+        else:
+            names[hf.format(*mapped.indices)] = Saved(key, make_transform(rows, config) if rows else None)
     return names

@@ -28,8 +28,8 @@ from collections.abc import Iterable, Iterator
 from functools import cached_property
 
 from ..errors import CheckpointError
-from ..families.torchtitan_maps import hub_names, is_torchtitan_naming
-from ..families.transforms import Transform, rows_placed
+from ..families.torchtitan_maps import Saved, hub_names, is_torchtitan_naming
+from ..families.transforms import rows_placed
 from ..storage import Location
 from .base import CheckpointSource, Piece, TensorInfo, read_hf_config
 from .dcp_chunks import DcpChunks
@@ -66,29 +66,31 @@ class DcpCheckpoint(DcpChunks, FetchesByGroup, CheckpointSource):
                 if isinstance(md, tensor) and key.startswith(self.key_prefix) and not key.startswith(NOT_MODEL)}
 
     @cached_property
-    def _saved(self) -> dict[str, tuple[str, Transform | None]]:
-        """Hugging Face name -> (DCP key, the transform placing its rows, or None when they are as saved):
-        transformers' names as they are, or torchtitan's own names through its table (`torchtitan_maps`)."""
+    def _saved(self) -> dict[str, Saved]:
+        """Hugging Face name -> where it is saved: transformers' names as they are, or torchtitan's own names
+        through its table (`torchtitan_maps`: rows a transform reorders, grouped experts split along dim 0)."""
         names = {key[len(self.key_prefix):]: key for key in self._tensor_keys}
         if not is_torchtitan_naming(names):
-            return {name: (key, None) for name, key in names.items()}
-        titan = hub_names(names, read_hf_config(self), str(self.dcp_dir.join(DIST_METADATA_FILE)))
-        return {name: (names[saved], transform) for name, (saved, transform) in titan.items()}
+            return {name: Saved(key) for name, key in names.items()}
+        shapes = {name: tuple(int(s) for s in self._tensor_keys[key].size) for name, key in names.items()}
+        titan = hub_names(shapes, read_hf_config(self), str(self.dcp_dir.join(DIST_METADATA_FILE)))
+        return {name: saved._replace(key=names[saved.key]) for name, saved in titan.items()}
 
     @cached_property
     def _keys(self) -> dict[str, str]:
         """Hugging Face name -> DCP key."""
-        return {name: key for name, (key, _) in self._saved.items()}
+        return {name: saved.key for name, saved in self._saved.items()}
 
     @cached_property
     def _infos(self) -> dict[str, TensorInfo]:
         infos = {}
-        for name, (key, transform) in self._saved.items():
+        for name, (key, transform, expert) in self._saved.items():
             md = self._tensor_keys[key]
-            shape = tuple(int(s) for s in md.size)
+            shape = tuple(int(s) for s in md.size)[0 if expert is None else 1:]
             layout = _split(self._chunk_files.get(key, []))
             if key != name:
-                layout += "; torchtitan's name" + (f", rows {transform!r}" if transform else "")
+                layout += "; torchtitan's name" + (f", rows {transform!r}" if transform else "") + \
+                    (", one expert of its grouped experts" if expert is not None else "")
             if transform:
                 try:
                     transform.row_map(shape[0])
@@ -104,10 +106,14 @@ class DcpCheckpoint(DcpChunks, FetchesByGroup, CheckpointSource):
     def pieces(self, name: str) -> Iterator[Piece]:
         """Every saved box of `name` at its global offsets, a view of its mapped chunk (each saved once: DCP
         writes a replicated box from one rank only)."""
-        key, transform = self._saved[name]
+        key, transform, expert = self._saved[name]
         self._ready_for(name)
         for offsets, sizes, info in self._chunk_files.get(key, []):
             source, box = f"{self.dcp_dir.join(info.relative_path)}: {key}", self._chunk_array(info, sizes)
+            if expert is not None:  # the expert's slice of a box holding it, without the experts' dim
+                if not offsets[0] <= expert < offsets[0] + sizes[0]:
+                    continue
+                source, box, offsets, sizes = f"{source}[{expert}]", box[expert - offsets[0]], offsets[1:], sizes[1:]
             if transform is None:
                 yield Piece(source, offsets, sizes, box)
                 continue
@@ -124,8 +130,8 @@ class DcpCheckpoint(DcpChunks, FetchesByGroup, CheckpointSource):
         return self._keys
 
     def _download(self, names: list[str]) -> None:
-        self._download_boxes([(self._keys[n], (0,) * len(info.shape), info.shape)
-                              for n, info in ((n, self._infos[n]) for n in names)])
+        keys = {self._keys[n] for n in names}  # an expert's key: the grouped tensor's boxes holding it
+        self._download_boxes([(key, (0,) * len(size), size) for key, size in self._saved_sizes(keys)])
 
     def _saved_arrays(self, names: list[str]):
         return [self._chunk_array(info, sizes) for n in names for _, sizes, info in self._chunk_files.get(self._keys[n], [])]
@@ -138,11 +144,15 @@ class DcpCheckpoint(DcpChunks, FetchesByGroup, CheckpointSource):
             raise CheckpointError(f"{shown}: holds no model tensors (found {found}); point --local_dir at the folder "
                                   "of the model's save (torchtitan: checkpoint/step-N; Accelerate: "
                                   "pytorch_model_fsdp_0)")
-        for name, key in self._keys.items():
+        for key, size in self._saved_sizes(set(self._keys.values())):
             held = sum(_count(sizes) for _, sizes, _ in self._chunk_files.get(key, []))
-            if held != _count(self._infos[name].shape):
-                raise CheckpointError(f"{shown}: {key} has {held} of {_count(self._infos[name].shape)} elements "
+            if held != _count(size):
+                raise CheckpointError(f"{shown}: {key} has {held} of {_count(size)} elements "
                                       "saved; the save is incomplete: copy the whole checkpoint folder again")
+
+    def _saved_sizes(self, keys) -> list[tuple[str, tuple[int, ...]]]:
+        """(key, its saved global shape) of each of `keys`, in a stable order."""
+        return [(key, tuple(int(s) for s in self._tensor_keys[key].size)) for key in sorted(keys)]
 
     def describe(self) -> dict:
         files = self._data_files()

@@ -17,7 +17,12 @@ from mergecore import open_checkpoint
 from weights import load_folder
 
 
-def assert_torchtitans_own(merged, reference) -> None:
+# torchtitan's grouped experts multiply in bfloat16 (GroupedExperts casts x and w1/w2/w3) where transformers stays in
+# float32: 4e-5 apart on the Qwen 3 MoE fixture, while swapping two experts of one layer moves the logits by 2.5e-3
+LOGITS_ATOL = {"qwen3_moe": 4e-4}
+
+
+def assert_torchtitans_own(merged, reference, atol: float = 1e-5) -> None:
     """Every tensor bit for bit as torchtitan's adapter gives it, and the logits of torchtitan's own forward."""
     from transformers import AutoModelForCausalLM
 
@@ -28,17 +33,18 @@ def assert_torchtitans_own(merged, reference) -> None:
     model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(own["input_ids"]).logits
-    assert torch.allclose(logits, own["logits"], rtol=0, atol=1e-5), (logits - own["logits"]).abs().max()
+    assert torch.allclose(logits, own["logits"], rtol=0, atol=atol), (logits - own["logits"]).abs().max()
 
 
-@pytest.mark.parametrize("model", ["llama3", "qwen3"])
+@pytest.mark.parametrize("model", ["llama3", "qwen3", "qwen3_moe"])
 def test_torchtitans_own_model_merges_as_its_adapter_converts_it(model, titan, cli, tmp_path):
-    """The run folder (newest step: model-only), config from --hf_model_path; Llama 3's q/k rows permuted."""
+    """The run folder (newest step: model-only), config from --hf_model_path; Llama 3's q/k rows permuted; Qwen 3
+    MoE's grouped experts split one Hub tensor per expert, its load-balancing bias left out (as the adapter does)."""
     run, reference = titan(model)
     result = cli("merge", "--local_dir", run, "--hf_model_path", reference, "--target_dir", tmp_path / "out",
                  "--dtype", "fp32")
     assert result.exit_code == 0, result.stderr
-    assert_torchtitans_own(tmp_path / "out", reference)
+    assert_torchtitans_own(tmp_path / "out", reference, LOGITS_ATOL.get(model, 1e-5))
     assert cli("verify", tmp_path / "out", "--source", run, "--hf_model_path", reference).exit_code == 0
     shown = cli("inspect", run, "--hf_model_path", reference)
     assert shown.exit_code == 0 and "layout: torchtitan, world_size: 2" in shown.stdout, shown.stderr
