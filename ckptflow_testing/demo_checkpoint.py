@@ -625,7 +625,6 @@ def _save_dcp(rank: int, spec: DemoSpec, model, optimizer, cls, config, role_dir
         fresh = cls(config).to(torch.float32)
         fresh.load_state_dict(full, strict=True)
         fresh.save_pretrained(reference_dir)
-        shutil.rmtree(role_dir / "huggingface")  # a DCP save carries no config: --hf_model_path names one
 
 
 def _accelerate_save_state(model, optimizer, role_dir: Path) -> None:
@@ -1115,6 +1114,8 @@ class _Staged:
 
     def publish(self) -> DemoCheckpoint:
         _save_tokenizer(self.tokenizer, self.reference, self.spec.arch)
+        if self.spec.save != "verl":  # a DCP save carries no config (--hf_model_path names one); removed only once
+            shutil.rmtree(self.role / "huggingface")  # every rank is done: a retried start still reads it
         self.role_dir.parent.mkdir(parents=True, exist_ok=True)
         for src, dst in ((self.role, self.role_dir), (self.reference, self.reference_dir)):
             if dst.exists():

@@ -35,6 +35,11 @@ FAMILY_CLASSES = {
     "bamba": ("BambaConfig", "BambaForCausalLM"),
     # its save transposes the router (`mlp.gate.linear.weight` -> `feed_forward.gate_kernel`): elements reordered
     "ergo": ("ErgoConfig", "ErgoForCausalLM"),
+    # DeepSeek-V3 text with a vision tower whose save joins q/k/v into `wqkv` with q and k rows permuted for its
+    # rotary embedding (PermuteForRope): elements moved, not sliced
+    "kimi_k25": ("Kimi_K25Config", "Kimi_K25ForConditionalGeneration"),
+    # its save interleaves the experts' gate and up rows (`gate_up_proj` -> `w13_weight`, Interleave along dim 1)
+    "inkling2": ("Inkling2TextConfig", "Inkling2ForCausalLM"),
 }
 FAMILY_ARCHS = tuple(FAMILY_CLASSES)
 
@@ -128,11 +133,17 @@ def _fields(spec, tokenizer) -> dict[str, Any]:
                       patch_size=4)
         return dict(text_config=gemma, vision_config=vision, mm_tokens_per_image=4, tie_word_embeddings=True,
                     dtype=dtype)
-    if arch == "deepseek_v3":  # MLA (value head dim unlike the query's), one dense then one MoE layer
+    if arch in ("deepseek_v3", "kimi_k25"):  # MLA (value head dim unlike the query's), one dense then one MoE layer
         text.pop("head_dim")  # MLA: the rotary part of a head is qk_rope_head_dim
-        return dict(**text, intermediate_size=_DENSE_WIDTH, **moe, n_routed_experts=_EXPERTS, n_shared_experts=1,
-                    n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
-                    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24, dtype=dtype)
+        deepseek = dict(**text, intermediate_size=_DENSE_WIDTH, **moe, n_routed_experts=_EXPERTS, n_shared_experts=1,
+                        n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
+                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24, dtype=dtype)
+        if arch == "deepseek_v3":
+            return deepseek
+        vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                      pos_emb_height=8, pos_emb_width=8, pos_emb_time=2)
+        return dict(text_config={**deepseek, "model_type": "deepseek_v3"}, vision_config=vision,
+                    tie_word_embeddings=spec.tie_word_embeddings, dtype=dtype)
     if arch == "deepseek_v4":  # compressed and heavily compressed attention, hash-routed then top-k MoE; the
         # Hub's files name the untied head `head.weight` (in memory `lm_head.weight`)
         text.update(num_key_value_heads=1, head_dim=32)
@@ -175,6 +186,13 @@ def _fields(spec, tokenizer) -> dict[str, Any]:
         return dict(**text, **sliding, first_dense_intermediate_size=_DENSE_WIDTH, num_dense_blocks=1,
                     moe_intermediate_size=_EXPERT_WIDTH, shared_intermediate_size=_SHARED_WIDTH, num_experts=_EXPERTS,
                     num_experts_per_tok=2, global_attention_every_n_layers=2, dtype=dtype)
+    if arch == "inkling2":  # sliding and full attention with their own heads; every layer MoE. The vocabulary is
+        # unpadded: a padded one is saved with zero rows appended to the head (made up, not moved: refused)
+        text.update(unpadded_vocab_size=spec.vocab_size, swa_num_attention_heads=spec.num_attention_heads,
+                    swa_num_key_value_heads=spec.num_key_value_heads, swa_head_dim=head_dim, sliding_window_size=8,
+                    rel_extent=8)
+        return dict(**text, moe_intermediate_size=_EXPERT_WIDTH, n_routed_experts=_EXPERTS, num_experts_per_tok=2,
+                    dtype=dtype)
     if arch == "mixtral_noise":
         return dict(**text, intermediate_size=_EXPERT_WIDTH, num_local_experts=_EXPERTS, num_experts_per_tok=2,
                     dtype=dtype)

@@ -18,7 +18,11 @@ HubSlice(source='model.layers.0.mlp.experts.gate_up_proj', start=(1, 32, 0), sto
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from ..errors import CheckpointError
 from ..formats.base import CheckpointSource, Piece, TensorInfo, read_hf_config
@@ -32,13 +36,15 @@ class HubSlice:
     """Output tensor = `source[start:stop]` with the source dims not in `dims` squeezed (each of size 1).
 
     `dims[j]` is the source dim output dim j runs along, or None for an output dim of size 1; dims in another
-    order than the source's are a transpose.
+    order than the source's are a transpose. `reorder`, when given, is `(j, order)`: along output dim j, index i
+    holds the box's index `order[i]` (a permutation: Kimi-K2.5's vision q/k rows, Inkling's interleaved experts).
     """
 
     source: str
     start: tuple[int, ...]
     stop: tuple[int, ...]
     dims: tuple[int | None, ...]
+    reorder: tuple[int, tuple[int, ...]] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -46,7 +52,7 @@ class HubSlice:
 
     def is_whole(self, source_shape: tuple[int, ...]) -> bool:
         return self.start == (0,) * len(source_shape) and self.stop == tuple(source_shape) and \
-            self.dims == tuple(range(len(source_shape)))
+            self.dims == tuple(range(len(source_shape))) and self.reorder is None
 
 
 @dataclass(frozen=True)
@@ -108,7 +114,14 @@ def hub_slices(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, Hu
     if set(reverted) == set(sources) and all(reverted[n] is sources[n] for n in sources):
         return None
     by_id = {id(t): name for name, t in sources.items()}
-    slices = {name: _as_box(name, tensor, by_id, built) for name, tensor in reverted.items()}
+    slices, reordered = {}, []
+    for name, tensor in reverted.items():
+        try:
+            slices[name] = _as_box(name, tensor, by_id, built)
+        except _NotABox:
+            reordered.append(name)
+    if reordered:
+        slices.update(_reordered_boxes(model, shapes, slices, reordered))
     order = {name: i for i, name in enumerate(shapes)}
 
     def first_saved(item):  # where an output's first part sits among the saved tensors
@@ -185,14 +198,14 @@ def _as_box(name: str, tensor, by_id: dict[int, str], built: dict[int, tuple]) -
     return HubParts(tuple(parts), tuple(offsets), tuple(result.shape))
 
 
+class _NotABox(Exception):
+    """An output the save conversion computed (no view of a saved tensor): asked again with index tensors."""
+
+
 def _as_slice(name: str, tensor, by_id: dict[int, str]) -> HubSlice:
     root = tensor if id(tensor) in by_id else tensor._base
     if root is None or id(root) not in by_id:
-        raise CheckpointError(
-            f"transformers' save conversion computes {name} (reorders or combines elements: neither a slice of "
-            "one saved tensor nor slices joined side by side); ckptflow cannot stream it: load the model and "
-            "save_pretrained it instead (see docs/hub_layout.md)"
-        )
+        raise _NotABox(name)
     source = by_id[id(root)]
     shape = tuple(root.shape)
     contiguous = [1] * len(shape)
@@ -210,10 +223,7 @@ def _as_slice(name: str, tensor, by_id: dict[int, str]) -> HubSlice:
         d = next((d for d in range(len(shape)) if d not in dims and contiguous[d] == stride and shape[d] >= size),
                  None)
         if d is None:
-            raise CheckpointError(
-                f"transformers' save conversion reorders the elements of {source} to make {name}; ckptflow "
-                "streams only slices: load the model and save_pretrained it instead (see docs/hub_layout.md)"
-            )
+            raise _NotABox(name)
         stop[d] = start[d] + size
         dims.append(d)
     if sum(i * c for i, c in zip(start, contiguous)) != offset:
@@ -221,19 +231,130 @@ def _as_slice(name: str, tensor, by_id: dict[int, str]) -> HubSlice:
     return HubSlice(source, tuple(start), tuple(stop), tuple(dims))
 
 
+def _reordered_boxes(model, shapes: dict[str, tuple[int, ...]], slices: dict, names: list[str]) -> dict:
+    """The outputs the save conversion computes by moving elements (PermuteForRope, Interleave), read back from
+    the conversion run on index tensors, every saved element numbered: each a box of one saved tensor permuted
+    along one dim, or such boxes side by side. Only the saved tensors the boxes found so far leave uncovered are
+    numbered, one layer at a time (a layer's tensors together: a conversion joins tensors of one module)."""
+    import torch
+
+    from transformers.core_model_loading import revert_weight_conversion
+
+    covered = _volumes(slices.values(), shapes)
+    left = [name for name, shape in shapes.items() if covered[name] != math.prod(shape)]
+    found: dict[str, HubSlice | HubParts] = {}
+    for group in _by_layer(left):
+        first, numbered, base = [], {}, 1  # numbered from 1: an element the conversion makes up (zeros) is no one's
+        for name in group:
+            first.append(base)
+            numbered[name] = torch.arange(base, base + math.prod(shapes[name]), dtype=torch.int64).reshape(shapes[name])
+            base += math.prod(shapes[name])
+        first.append(base)  # one past the last number
+        reverted = revert_weight_conversion(model, numbered)
+        for name in set(names).intersection(reverted):
+            found[name] = _read_back(name, reverted[name], group, first, shapes)
+    for name in set(names) - set(found):
+        raise CheckpointError(
+            f"transformers' save conversion computes {name} (combines elements: neither a slice of one saved "
+            "tensor, slices joined side by side, nor a reordering of one); ckptflow cannot stream it: load the "
+            "model and save_pretrained it instead (see docs/hub_layout.md)")
+    return found
+
+
+def _by_layer(names: list[str]) -> list[list[str]]:
+    """`names` grouped by the part before their last number (`...layers.3.`): one module's tensors together."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        layer = re.match(r"(.*\.\d+\.)", name)
+        groups.setdefault(layer.group(1) if layer else "", []).append(name)
+    return list(groups.values())
+
+
+def _read_back(name: str, values, group: list[str], first: list[int], shapes: dict) -> HubSlice | HubParts:
+    """Where output `name` (its elements' numbers, `values`) comes from: boxes of the numbered tensors `group`
+    (tensor i numbered from `first[i]`, `first[-1]` one past the last number) side by side along one dim, each
+    permuted along at most one dim."""
+    import torch
+
+    which = torch.bucketize(values, torch.tensor(first), right=True) - 1  # the saved tensor of each element
+    if bool(((which < 0) | (which >= len(group))).any()):  # elements that are none of the saved ones
+        raise _refused_reorder(name)
+    along = next((d for d in range(values.dim()) if _only_along(which, d)), None)
+    if along is None:
+        raise _refused_reorder(name)
+    line = _line(which, along).tolist()
+    cuts = [0] + [i for i in range(1, len(line)) if line[i] != line[i - 1]] + [len(line)]
+    parts, offsets = [], []
+    for low, high in zip(cuts, cuts[1:]):
+        source = group[line[low]]
+        part = _permuted_box(name, values.narrow(along, low, high - low) - first[line[low]], source, shapes[source])
+        parts.append(part)
+        offsets.append(tuple(low if d == along else 0 for d in range(values.dim())))
+    return parts[0] if len(parts) == 1 else HubParts(tuple(parts), tuple(offsets), tuple(values.shape))
+
+
+def _permuted_box(name: str, flat, source: str, shape: tuple[int, ...]) -> HubSlice:
+    """The HubSlice of `source` whose elements (flat indices `flat`, in the output's shape) the output holds."""
+    strides = [math.prod(shape[k + 1:]) for k in range(len(shape))]
+    coords = [(flat // stride) % size for stride, size in zip(strides, shape)]
+    start = [int(c.min()) for c in coords]
+    stop = [s + 1 for s in start]
+    dims, reorder = [], None
+    for j, size in enumerate(flat.shape):
+        if size == 1:
+            dims.append(None)
+            continue
+        d = next((d for d in range(len(shape)) if d not in dims and _only_along(coords[d], j)), None)
+        if d is None:
+            raise _refused_reorder(name)
+        line = _line(coords[d], j).tolist()
+        start[d], stop[d] = min(line), min(line) + size
+        if sorted(line) != list(range(start[d], stop[d])):
+            raise _refused_reorder(name)
+        if line != sorted(line):
+            if reorder is not None:
+                raise _refused_reorder(name)
+            reorder = (j, tuple(i - start[d] for i in line))
+        dims.append(d)
+    if any(not _only_along(c, None) for d, c in enumerate(coords) if d not in dims):
+        raise _refused_reorder(name)
+    return HubSlice(source, tuple(start), tuple(stop), tuple(dims), reorder)
+
+
+def _line(tensor, dim: int):
+    """`tensor` along `dim`, at index 0 of every other dim."""
+    return tensor[tuple(slice(None) if d == dim else 0 for d in range(tensor.dim()))]
+
+
+def _only_along(tensor, dim: int | None) -> bool:
+    """Whether `tensor` changes only along `dim` (None: nowhere)."""
+    if dim is None:
+        return bool((tensor == tensor.reshape(-1)[0]).all())
+    shape = [-1 if d == dim else 1 for d in range(tensor.dim())]
+    return bool((tensor == _line(tensor, dim).reshape(shape)).all())
+
+
+def _refused_reorder(name: str) -> CheckpointError:
+    return CheckpointError(
+        f"transformers' save conversion moves the elements of {name} in a way ckptflow does not stream (not a "
+        "permutation along one dim of a box of one saved tensor): load the model and save_pretrained it instead "
+        "(see docs/hub_layout.md)")
+
+
+def _volumes(hubs, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """How many elements of each saved tensor the outputs `hubs` read."""
+    volume = {name: 0 for name in shapes}
+    for hub in hubs:
+        for s in hub.parts if isinstance(hub, HubParts) else (hub,):
+            volume[s.source] += math.prod(b - a for a, b in zip(s.start, s.stop))
+    return volume
+
+
 def _check_coverage(slices: dict[str, HubSlice | HubParts], shapes: dict[str, tuple[int, ...]]) -> None:
     """Every saved element lands in exactly one output, so the round-trip check covers all of them."""
-    volume = {name: 0 for name in shapes}
-    for hub in slices.values():
-        for s in hub.parts if isinstance(hub, HubParts) else (hub,):
-            n = 1
-            for a, b in zip(s.start, s.stop):
-                n *= b - a
-            volume[s.source] += n
+    volume = _volumes(slices.values(), shapes)
     for name, shape in shapes.items():
-        total = 1
-        for size in shape:
-            total *= size
+        total = math.prod(shape)
         if volume[name] != total:
             raise CheckpointError(
                 f"transformers' save conversion writes {volume[name]} of the {total} elements of {name}; "
@@ -293,13 +414,13 @@ class HubLayoutSource(CheckpointSource):
         hub = self.slices[name]
         if isinstance(hub, HubParts):
             return self._joined_pieces(hub)
-        return (p for piece in self.inner.pieces(hub.source) if (p := _piece_in_slice(piece, hub)))
+        return (found for piece in self.inner.pieces(hub.source) for found in _pieces_in_slice(piece, hub))
 
     def _joined_pieces(self, hub: HubParts):
         """Each part's pieces, moved to where the part sits in the output: a row block reads each part's rows."""
         for part, at in zip(hub.parts, hub.offsets):
             for piece in self.inner.pieces(part.source):
-                if found := _piece_in_slice(piece, part):
+                for found in _pieces_in_slice(piece, part):
                     yield replace(found, offsets=tuple(o + a for o, a in zip(found.offsets, at)))
 
     def validate(self, check_replicas: bool = False) -> None:
@@ -349,16 +470,27 @@ class HubLayoutSource(CheckpointSource):
         return self.inner.describe()
 
 
-def _piece_in_slice(piece, hub: HubSlice):
-    """The part of a saved piece inside an output's slice, in the output's coordinates (a view)."""
+def _pieces_in_slice(piece, hub: HubSlice):
+    """The part of a saved piece inside an output's slice, in the output's coordinates (a view); where the slice
+    is permuted along a dim, one piece per run of consecutive output indices the saved piece holds (a copy)."""
     low = [max(o, a) for o, a in zip(piece.offsets, hub.start)]
     high = [min(o + s, b) for o, s, b in zip(piece.offsets, piece.sizes, hub.stop)]
     if any(h <= lo for lo, h in zip(low, high)):
-        return None
+        return
     local = to_numpy(piece.tensor)[tuple(slice(lo - o, h - o) for lo, h, o in zip(low, high, piece.offsets))]
     offsets = tuple(0 if d is None else low[d] - hub.start[d] for d in hub.dims)
     sizes = tuple(1 if d is None else high[d] - low[d] for d in hub.dims)
     used = [d for d in hub.dims if d is not None]
     along = sorted(used)  # the box's own dims in source order (the others have size 1)
     moved = local.reshape([high[d] - low[d] for d in along]).transpose([along.index(d) for d in used])
-    return Piece(piece.source, offsets, sizes, moved.reshape(sizes), piece.primary)
+    found = Piece(piece.source, offsets, sizes, moved.reshape(sizes), piece.primary)
+    if hub.reorder is None:
+        yield found
+        return
+    j, order = hub.reorder
+    order, first, count = np.asarray(order), offsets[j], sizes[j]
+    held = np.flatnonzero((order >= first) & (order < first + count))  # the output indices this piece fills
+    for run in np.split(held, np.flatnonzero(np.diff(held) != 1) + 1):
+        yield replace(found, offsets=offsets[:j] + (int(run[0]),) + offsets[j + 1:],
+                      sizes=sizes[:j] + (len(run),) + sizes[j + 1:],
+                      tensor=np.take(found.tensor, order[run] - first, axis=j))

@@ -65,6 +65,12 @@ SIGNATURES = {
     # model.layers.1.mlp.gate.linear.weight"): in memory [experts, hidden] and [56, 64], in the Hub's files transposed
     "ergo": {"layers.1.feed_forward.gate_kernel": (64, 4), "layers.1.feed_forward.shared_up_proj": (64, 56),
              "layers.1.feed_forward.up_proj": (4, 64, 40)},
+    # its save joins the vision tower's q, k, v into wqkv with q and k rows permuted per head (was refused:
+    # "neither a slice of one saved tensor nor slices joined side by side"), bias included
+    "kimi_k25": {"vision_tower.encoder.blocks.0.wqkv.weight": (96, 32), "vision_tower.encoder.blocks.0.wqkv.bias": (96,),
+                 "language_model.model.blocks.1.self_attn.kv_b_proj.weight": (4 * (16 + 24), 32)},
+    # its save interleaves gate and up rows of the packed experts (in memory gate_up_proj [4, 80, 64])
+    "inkling2": {"model.llm.layers.1.mlp.experts.w13_weight": (4, 80, 64)},
 }
 
 
@@ -216,3 +222,15 @@ def test_transposed_outputs_stream_in_row_blocks(families, tmp_path, monkeypatch
     weights, reference = load_folder(tmp_path / "out"), load_folder(families["ergo"].reference_dir)
     for name in ("layers.1.feed_forward.gate_kernel", "layers.1.feed_forward.shared_up_proj"):
         assert torch.equal(weights[name], reference[name]), name
+
+
+@pytest.mark.parametrize("arch, name", [("kimi_k25", "vision_tower.encoder.blocks.0.wqkv.weight"),
+                                        ("inkling2", "model.llm.layers.1.mlp.experts.w13_weight")])
+def test_reordered_outputs_stream_in_row_blocks(arch, name, families, tmp_path, monkeypatch):
+    """Outputs whose save permutes elements along one dim (Kimi-K2.5's q/k rows per head, Inkling's interleaved
+    gate/up rows) are read as runs of each rank's rows placed where the permutation puts them: within a chunk
+    budget of a couple of rows, every block equal to save_pretrained's, and the round trip finds every element."""
+    monkeypatch.setenv("CKPTFLOW_CHUNK_BYTES", "256")  # 2 rows of 32 fp32; one 64-wide row of an expert
+    merge_checkpoint(str(families[arch].role_dir), tmp_path / "out", dtype="keep")
+    weights, reference = load_folder(tmp_path / "out"), load_folder(families[arch].reference_dir)
+    assert torch.equal(weights[name], reference[name])

@@ -46,17 +46,26 @@ def held_records(monkeypatch):
     from moto.s3.models import S3Backend
 
     put = S3Backend.put_object
-    held: dict[str, str | None] = {"prefix": None}
+    held: dict = {"prefix": None, "arrived": 0}
     released = threading.Event()
 
     def put_object(self, bucket_name, key_name, *args, **kwargs):
         if held["prefix"] and f"{bucket_name}/{key_name}".startswith(f"{held['prefix']}/{RECORDS}"):
+            held["arrived"] += 1
             released.wait(120)
             raise ConnectionAbortedError("the client went away")  # never stored
         return put(self, bucket_name, key_name, *args, **kwargs)
 
     def hold(prefix: str | None) -> None:
         if prefix is None:
+            # a PUT the killed writer sent may still be on its way through the server (a loaded machine): wait
+            # until no held one has arrived for a while, so none slips through once the hold is lifted
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                arrived = held["arrived"]
+                time.sleep(0.5)
+                if held["arrived"] == arrived:
+                    break
             released.set()
         held["prefix"] = prefix
 

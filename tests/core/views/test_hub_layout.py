@@ -98,3 +98,24 @@ def test_inspect_reports_the_hub_layout(moe):
     assert list(groups) == ["embed", "layers.0", "layers.1", "head"]
     reference = load_folder(moe.reference_dir)
     assert groups["layers.0"]["tensors"] == sum(name.startswith("model.layers.0.") for name in reference)
+
+
+def test_a_save_that_makes_up_elements_is_refused():
+    """Inkling2 pads its head to the padded vocabulary with zero rows on save: elements no saved tensor holds,
+    not a rearrangement of them; refused in one line naming the tensor (its interleaved experts are streamed:
+    tests/core/families)."""
+    from transformers import Inkling2TextConfig
+
+    from mergecore.errors import CheckpointError
+    from mergecore.families.meta_model import meta_model
+    from mergecore.views.hub_layout import hub_slices
+
+    config = Inkling2TextConfig(
+        vocab_size=128, unpadded_vocab_size=120, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=16,
+        sliding_window_size=8, rel_extent=8, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, architectures=["Inkling2ForCausalLM"]).to_dict()
+    in_memory = {name: tuple(t.shape) for name, t in meta_model(config).state_dict().items()}
+    assert in_memory["lm_head.weight"] == (120, 32)
+    with pytest.raises(CheckpointError, match=r"model\.llm\.unembed\.weight in a way ckptflow does not stream"):
+        hub_slices(config, in_memory)
