@@ -6,7 +6,8 @@ Run as a script in a process that can import torchtitan (`./dev test` installs i
     PYTHONPATH=.venv/torchtitan python tests/torchtitan_save.py OUT --model llama3
 
 Two gloo ranks build torchtitan's model (Llama 3 with grouped-query attention and Llama 3 RoPE scaling, Qwen 3
-with q/k norms, or Qwen 3 MoE with grouped experts and a load-balancing bias) at a tiny size, shard every block and the root with FSDP2 (`fully_shard`, as torchtitan's
+with q/k norms, Qwen 3 MoE with grouped experts and a load-balancing bias, or DeepSeek-V3 with latent attention,
+a dense first layer and shared experts) at a tiny size, shard every block and the root with FSDP2 (`fully_shard`, as torchtitan's
 `apply_fsdp`), train two AdamW steps and save after each through `CheckpointManager` (step 1 with the optimizer,
 learning-rate and training state; the last one model-only, torchtitan's default). Written under OUT:
 
@@ -30,7 +31,7 @@ from ckptflow.testing.demo_checkpoint import LOGITS_FILE, _build_tokenizer, _fre
 
 VOCAB, DIM, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 1001, 64, 4, 2, 16, 2
 EXPERTS, TOP_K, EXPERT_DIM = 4, 2, 40
-MODELS = ("llama3", "qwen3", "qwen3_moe")
+MODELS = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3")
 
 
 def _titan_config(model: str):
@@ -48,6 +49,19 @@ def _titan_config(model: str):
         layers = _build_llama3_layers(
             n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=2 * DIM, attn_backend="flex",
             rope=ComplexRoPE.Config(dim=HEAD_DIM, max_seq_len=4096, theta=500000, scaling="llama"))
+        norm = RMSNorm.Config(normalized_shape=DIM, param_init=init)
+    elif model == "deepseek_v3":  # q through a low-rank pair; sigmoid router over 2 groups of 2 experts
+        from torchtitan.models.common import ComplexRoPE
+        from torchtitan.models.deepseek_v3 import DeepSeekV3Model, _build_dsv3_layers
+
+        cls = DeepSeekV3Model
+        layers = _build_dsv3_layers(
+            n_layers=LAYERS, n_dense_layers=1, dim=DIM, n_heads=HEADS, q_lora_rank=48, kv_lora_rank=32,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, mscale=1.0, dense_hidden_dim=2 * DIM,
+            moe_hidden_dim=EXPERT_DIM, num_experts=EXPERTS, num_shared_experts=1, router_top_k=TOP_K,
+            router_score_func="sigmoid", router_num_expert_groups=2, router_num_limited_groups=1,
+            router_route_norm=True, attn_backend="flex", moe_comm_backend="standard",
+            non_blocking_capacity_factor=None, rope=ComplexRoPE.Config(dim=8, max_seq_len=4096, theta=10000.0))
         norm = RMSNorm.Config(normalized_shape=DIM, param_init=init)
     else:
         from torchtitan.models.common import CosSinRoPE
@@ -73,7 +87,7 @@ def _titan_config(model: str):
 
 def _hf_config(model: str):
     """The Hugging Face config of the model torchtitan's adapter converts to, as torchtitan's model computes."""
-    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=LAYERS,
                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
@@ -82,6 +96,14 @@ def _hf_config(model: str):
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         return LlamaConfig(**common, rms_norm_eps=1e-5, rope_parameters=rope, max_position_embeddings=131072)
+    if model == "deepseek_v3":  # transformers rotates interleaved pairs too (rope_interleave)
+        common.pop("head_dim")
+        return DeepseekV3Config(
+            **common, moe_intermediate_size=EXPERT_DIM, n_routed_experts=EXPERTS, n_shared_experts=1,
+            num_experts_per_tok=TOP_K, n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+            routed_scaling_factor=1.0, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=24, rope_interleave=True, rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     rope = {"rope_type": "default", "rope_theta": 1000000.0}
     if model == "qwen3":
         return Qwen3Config(**common, rms_norm_eps=1e-6, rope_parameters=rope)
@@ -126,6 +148,10 @@ def _rank(rank: int, world_size: int, port: int, model_name: str, out: str) -> N
         model.to_empty(device="cpu")
         with torch.no_grad():
             model.init_weights()
+            if model_name == "deepseek_v3":  # as torchtitan's load-balancing hook leaves it after some steps:
+                for block in model.layers.values():  # the Hub's e_score_correction_bias, used in routing
+                    if getattr(block, "moe", None) is not None:
+                        block.moe.expert_bias_E.copy_(torch.tensor([0.02, -0.01, 0.03, -0.04]))
         optimizers = default_adamw(lr=1e-2).build(model_parts=[model])
         schedulers = LRSchedulersContainer.Config().build(optimizers=optimizers, training_steps=2)
         state = _TrainState()
@@ -154,6 +180,8 @@ def _rank(rank: int, world_size: int, port: int, model_name: str, out: str) -> N
 def _write_reference(model_name: str, config, full: dict, reference: Path) -> None:
     if model_name == "llama3":
         from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter as Adapter
+    elif model_name == "deepseek_v3":
+        from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter as Adapter
     else:
         from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter as Adapter
     with torch.device("meta"):

@@ -17,7 +17,7 @@ An hf pattern of None marks a tensor the Hub's model does not hold (torchtitan's
 Qwen 3 MoE, which its adapter drops too): never read.
 
 >>> sorted(TABLES)
-['llama', 'qwen3', 'qwen3_moe']
+['deepseek_v3', 'llama', 'qwen3', 'qwen3_moe']
 >>> hub_names({"layers.0.attention.qkv_linear.wk.weight": (32, 64)}, {"model_type": "llama",
 ...            "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}, "ckpt")
 {'model.layers.0.self_attn.k_proj.weight': Saved(key='layers.0.attention.qkv_linear.wk.weight', rows=InterleavedRope(2, 16), expert=None)}
@@ -75,7 +75,28 @@ QWEN3_MOE = {
     T + "moe.expert_bias_E": (None, None),
 }
 
-TABLES = {"llama": LLAMA3, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
+# DeepSeek-V3: multi-head latent attention (q through a low-rank pair when q_lora_rank > 0, else one wq), dense first
+# layers, then MoE layers with shared experts; its load-balancing bias is the Hub's e_score_correction_bias. Both
+# rotate interleaved pairs (transformers' rope_interleave), so no rows move. Multi-token-prediction layers
+# (`mtp_layers.N`) have no place in transformers' model and are refused by name.
+_GROUPED = {pattern: hub for pattern, hub in QWEN3_MOE.items() if pattern.startswith(_EXPERTS)}
+DEEPSEEK_V3 = {
+    **{pattern: hub for pattern, hub in _DECODER.items() if "attention.w" not in pattern}, **_GROUPED,
+    T + "attention.wq.weight": (H + "self_attn.q_proj.weight", None),
+    T + "attention.wq_a.weight": (H + "self_attn.q_a_proj.weight", None),
+    T + "attention.q_norm.weight": (H + "self_attn.q_a_layernorm.weight", None),
+    T + "attention.wq_b.weight": (H + "self_attn.q_b_proj.weight", None),
+    T + "attention.wkv_a.weight": (H + "self_attn.kv_a_proj_with_mqa.weight", None),
+    T + "attention.kv_norm.weight": (H + "self_attn.kv_a_layernorm.weight", None),
+    T + "attention.wkv_b.weight": (H + "self_attn.kv_b_proj.weight", None),
+    T + "attention.wo.weight": (H + "self_attn.o_proj.weight", None),
+    T + "moe.router.gate.weight": (H + "mlp.gate.weight", None),
+    T + "moe.expert_bias_E": (H + "mlp.gate.e_score_correction_bias", None),
+    **{T + f"moe.shared_experts.{w}.weight": (H + f"mlp.shared_experts.{p}.weight", None)
+       for w, p in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))},
+}
+
+TABLES = {"llama": LLAMA3, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3}
 
 
 class Saved(NamedTuple):

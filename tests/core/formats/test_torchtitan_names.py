@@ -19,7 +19,7 @@ from weights import load_folder
 
 # torchtitan's grouped experts multiply in bfloat16 (GroupedExperts casts x and w1/w2/w3) where transformers stays in
 # float32: 4e-5 apart on the Qwen 3 MoE fixture, while swapping two experts of one layer moves the logits by 2.5e-3
-LOGITS_ATOL = {"qwen3_moe": 4e-4}
+LOGITS_ATOL = {"qwen3_moe": 4e-4, "deepseek_v3": 4e-4}
 
 
 def assert_torchtitans_own(merged, reference, atol: float = 1e-5) -> None:
@@ -36,10 +36,11 @@ def assert_torchtitans_own(merged, reference, atol: float = 1e-5) -> None:
     assert torch.allclose(logits, own["logits"], rtol=0, atol=atol), (logits - own["logits"]).abs().max()
 
 
-@pytest.mark.parametrize("model", ["llama3", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("model", ["llama3", "qwen3", "qwen3_moe", "deepseek_v3"])
 def test_torchtitans_own_model_merges_as_its_adapter_converts_it(model, titan, cli, tmp_path):
     """The run folder (newest step: model-only), config from --hf_model_path; Llama 3's q/k rows permuted; Qwen 3
-    MoE's grouped experts split one Hub tensor per expert, its load-balancing bias left out (as the adapter does)."""
+    MoE's grouped experts split one Hub tensor per expert, its load-balancing bias left out (as the adapter does);
+    DeepSeek-V3's latent attention, dense first layer, shared experts and trained routing bias."""
     run, reference = titan(model)
     result = cli("merge", "--local_dir", run, "--hf_model_path", reference, "--target_dir", tmp_path / "out",
                  "--dtype", "fp32")
