@@ -40,6 +40,8 @@ FAMILY_CLASSES = {
     "kimi_k25": ("Kimi_K25Config", "Kimi_K25ForConditionalGeneration"),
     # its save interleaves the experts' gate and up rows (`gate_up_proj` -> `w13_weight`, Interleave along dim 1)
     "inkling2": ("Inkling2TextConfig", "Inkling2ForCausalLM"),
+    # a protein language model whose save writes legacy names (LayerNorm.gamma / .beta for .weight / .bias)
+    "esm": ("EsmConfig", "EsmForMaskedLM"),
 }
 FAMILY_ARCHS = tuple(FAMILY_CLASSES)
 
@@ -193,6 +195,12 @@ def _fields(spec, tokenizer) -> dict[str, Any]:
                     rel_extent=8)
         return dict(**text, moe_intermediate_size=_EXPERT_WIDTH, n_routed_experts=_EXPERTS, num_experts_per_tok=2,
                     dtype=dtype)
+    if arch == "esm":  # ESM-2: rotary positions, tied head; its own token ids
+        return dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=2,
+                    num_attention_heads=spec.num_attention_heads, intermediate_size=_DENSE_WIDTH,
+                    max_position_embeddings=128, position_embedding_type="rotary", emb_layer_norm_before=False,
+                    token_dropout=True, pad_token_id=tokenizer.pad_token_id, mask_token_id=tokenizer.eos_token_id,
+                    tie_word_embeddings=True, dtype=dtype)
     if arch == "mixtral_noise":
         return dict(**text, intermediate_size=_EXPERT_WIDTH, num_local_experts=_EXPERTS, num_experts_per_tok=2,
                     dtype=dtype)

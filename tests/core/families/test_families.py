@@ -71,6 +71,8 @@ SIGNATURES = {
                  "language_model.model.blocks.1.self_attn.kv_b_proj.weight": (4 * (16 + 24), 32)},
     # its save interleaves gate and up rows of the packed experts (in memory gate_up_proj [4, 80, 64])
     "inkling2": {"model.llm.layers.1.mlp.experts.w13_weight": (4, 80, 64)},
+    # its save renames LayerNorm weight and bias to the legacy gamma and beta (in memory .weight / .bias)
+    "esm": {"esm.encoder.layer.1.LayerNorm.gamma": (64,), "esm.encoder.layer.1.attention.LayerNorm.beta": (64,)},
 }
 
 
