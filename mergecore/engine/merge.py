@@ -264,7 +264,8 @@ def merge_group(
     `on_nonfinite="fail"` raises CheckpointError, `"warn"` writes it and lists it in the receipt
     as `nonfinite: {tensor: {"nan": n, "+inf": p, "-inf": m}}`.
     Memory: each tensor is read, cast, checked and written in row blocks within `chunk_bytes` per worker
-    (default `CKPTFLOW_CHUNK_BYTES`, 64 MiB; 0: whole tensors), so at most `workers` blocks at a time.
+    (default `CKPTFLOW_CHUNK_BYTES`, 64 MiB; 0: whole tensors), and at most `CKPTFLOW_BLOCKS_IN_FLIGHT` blocks (2)
+    held by the process at a time, however many groups run (`numbers.budget.in_flight`).
     Returns a small receipt.
     """
     started = time.perf_counter()

@@ -17,6 +17,7 @@ import time
 
 from ..errors import VerificationError
 from ..formats import CheckpointSource
+from ..numbers.budget import in_flight
 from ..numbers.nonfinite import checked_blocks
 from ..quantize.schemes import scheme_of
 from ..quantize.stream import quantized_blocks
@@ -94,7 +95,7 @@ def _entry_bytes(source, plan, entry, budget, on_nonfinite: str, found: dict, he
     blocks are sent as they come, the small parts (scales, shape) kept in `held` until their turn, which the plan
     puts right after the primary in the same file."""
     if entry.part is None:
-        for _, block in checked_blocks(source, entry, budget, on_nonfinite, found):
+        for _, block in in_flight(checked_blocks(source, entry, budget, on_nonfinite, found)):
             yield tensor_bytes(block)
         return
     if entry.name in held:
@@ -102,7 +103,7 @@ def _entry_bytes(source, plan, entry, budget, on_nonfinite: str, found: dict, he
         return
     if entry.part != scheme_of(plan.quantization).primary:
         raise AssertionError(f"{entry.name}: planned before its weight's {scheme_of(plan.quantization).primary}")
-    for part, _, block in quantized_blocks(source, plan, entry, budget, on_nonfinite):
+    for part, _, block in in_flight(quantized_blocks(source, plan, entry, budget, on_nonfinite)):
         if part.name == entry.name:
             yield tensor_bytes(block)
         else:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..numbers.arrays import dtype_of, numpy_dtype, to_numpy
+from ..numbers.budget import in_flight
 from ..errors import CheckpointError
 from ..numbers.nonfinite import checked_blocks
 from .plan import MergePlan, PlannedTensor
@@ -173,7 +174,7 @@ class TensorWriter:
             blocks = ((entry, start, block) for start, block in checked_blocks(source, entry, budget, on_nonfinite, found))
         else:
             blocks = quantized_blocks(source, self._plan, entry, budget, on_nonfinite)  # never NaN/Inf: none to count
-        for planned, start, block in blocks:
+        for planned, start, block in in_flight(blocks):
             self.write_rows(planned, start, block)
             del block  # the next block is read while this one would otherwise still be held
 
