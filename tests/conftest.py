@@ -118,7 +118,7 @@ TORCHTITAN_SITE = Path(__file__).resolve().parent.parent / ".venv" / "torchtitan
 @pytest.fixture(scope="session")
 def titan(tmp_path_factory):
     """`titan(model)` -> (run folder, reference folder) of a checkpoint of torchtitan's own `model` ("llama3",
-    "qwen3", "qwen3_moe", "deepseek_v3") written by torchtitan's CheckpointManager (tests/torchtitan_save.py), once per session."""
+    "qwen3", "qwen3_moe", "deepseek_v3"; "llama3_tp": FSDP2 x TP on four ranks) written by torchtitan's CheckpointManager (tests/torchtitan_save.py), once per session."""
     import os
     import subprocess
     import sys

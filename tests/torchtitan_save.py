@@ -7,7 +7,8 @@ Run as a script in a process that can import torchtitan (`./dev test` installs i
 
 Two gloo ranks build torchtitan's model (Llama 3 with grouped-query attention and Llama 3 RoPE scaling, Qwen 3
 with q/k norms, Qwen 3 MoE with grouped experts and a load-balancing bias, or DeepSeek-V3 with latent attention,
-a dense first layer and shared experts) at a tiny size, shard every block and the root with FSDP2 (`fully_shard`, as torchtitan's
+a dense first layer and shared experts) at a tiny size (`llama3_tp`: four ranks, torchtitan's own tensor-parallel plan
+on a (2, 2) mesh under FSDP2), shard every block and the root with FSDP2 (`fully_shard`, as torchtitan's
 `apply_fsdp`), train two AdamW steps and save after each through `CheckpointManager` (step 1 with the optimizer,
 learning-rate and training state; the last one model-only, torchtitan's default). Written under OUT:
 
@@ -31,7 +32,8 @@ from ckptflow.testing.demo_checkpoint import LOGITS_FILE, _build_tokenizer, _fre
 
 VOCAB, DIM, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 1001, 64, 4, 2, 16, 2
 EXPERTS, TOP_K, EXPERT_DIM = 4, 2, 40
-MODELS = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3")
+MODELS = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "llama3_tp")
+TP = "_tp"  # a model name ending so: FSDP2 x tensor parallel on a (2, 2) mesh of four ranks, as torchtitan applies it
 
 
 def _titan_config(model: str):
@@ -113,6 +115,19 @@ def _hf_config(model: str):
                           decoder_sparse_step=1, mlp_only_layers=[])
 
 
+def _tensor_parallel(config, world_size: int):
+    """torchtitan's ParallelDims for FSDP2 x TP on a (world / 2, 2) CPU mesh, its sharding plan set on `config`."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    parallel_dims.device_type = "cpu"  # torchtitan picks "cuda" when no accelerator is found
+    set_llama3_sharding_config(config, enable_sp=False)
+    dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=world_size // 2, cp=1, tp=2, pp=1, ep=1,
+                                      world_size=world_size, spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    return dims
+
+
 class _TrainState:
     """torchtitan's trainer saves itself as `train_state` (a Stateful): the step."""
 
@@ -138,10 +153,17 @@ def _rank(rank: int, world_size: int, port: int, model_name: str, out: str) -> N
                             timeout=timedelta(seconds=120))
     try:
         torch.manual_seed(0)
-        config = _titan_config(model_name)
-        with torch.device("meta"):
-            model = config.build()
-        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
+        config = _titan_config(model_name.removesuffix(TP))
+        if model_name.endswith(TP):
+            mesh = _tensor_parallel(config, world_size)
+            with torch.device("meta"):
+                model = config.build()
+            model.parallelize(mesh)  # torchtitan's own TP plan: q/k/v, w1/w3 by rows, wo/w2 by columns
+            mesh = mesh.get_mesh("fsdp")
+        else:
+            with torch.device("meta"):
+                model = config.build()
+            mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
         for block in model.layers.values() if hasattr(model.layers, "values") else model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -161,6 +183,7 @@ def _rank(rank: int, world_size: int, port: int, model_name: str, out: str) -> N
         tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
         for step in (1, 2):
             logits = model(tokens[:, :-1])
+            logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits  # TP: vocab-sharded
             torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1)).backward()
             optimizers.step()
             schedulers.step()
@@ -171,7 +194,7 @@ def _rank(rank: int, world_size: int, port: int, model_name: str, out: str) -> N
         # torchtitan's own models are saved through model.state_dict() (its save hooks split the fused wqkv)
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
         if rank == 0:
-            _write_reference(model_name, config, full, Path(out) / "reference")
+            _write_reference(model_name.removesuffix(TP), config, full, Path(out) / "reference")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -224,4 +247,4 @@ if __name__ == "__main__":
     parser.add_argument("out", type=Path)
     parser.add_argument("--model", choices=MODELS, default="llama3")
     arguments = parser.parse_args()
-    sys.exit(write(arguments.out, arguments.model))
+    sys.exit(write(arguments.out, arguments.model, 4 if arguments.model.endswith(TP) else 2))

@@ -36,11 +36,13 @@ def assert_torchtitans_own(merged, reference, atol: float = 1e-5) -> None:
     assert torch.allclose(logits, own["logits"], rtol=0, atol=atol), (logits - own["logits"]).abs().max()
 
 
-@pytest.mark.parametrize("model", ["llama3", "qwen3", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("model", ["llama3", "qwen3", "qwen3_moe", "deepseek_v3", "llama3_tp"])
 def test_torchtitans_own_model_merges_as_its_adapter_converts_it(model, titan, cli, tmp_path):
     """The run folder (newest step: model-only), config from --hf_model_path; Llama 3's q/k rows permuted; Qwen 3
     MoE's grouped experts split one Hub tensor per expert, its load-balancing bias left out (as the adapter does);
-    DeepSeek-V3's latent attention, dense first layer, shared experts and trained routing bias."""
+    DeepSeek-V3's latent attention, dense first layer, shared experts and trained routing bias; Llama 3 under
+    torchtitan's own tensor-parallel plan with FSDP2 on a (2, 2) mesh (`_StridedShard` and `Shard` boxes, the
+    q/k rows permuted across them)."""
     run, reference = titan(model)
     result = cli("merge", "--local_dir", run, "--hf_model_path", reference, "--target_dir", tmp_path / "out",
                  "--dtype", "fp32")
@@ -48,7 +50,8 @@ def test_torchtitans_own_model_merges_as_its_adapter_converts_it(model, titan, c
     assert_torchtitans_own(tmp_path / "out", reference, LOGITS_ATOL.get(model, 1e-5))
     assert cli("verify", tmp_path / "out", "--source", run, "--hf_model_path", reference).exit_code == 0
     shown = cli("inspect", run, "--hf_model_path", reference)
-    assert shown.exit_code == 0 and "layout: torchtitan, world_size: 2" in shown.stdout, shown.stderr
+    world = 4 if model.endswith("_tp") else 2
+    assert shown.exit_code == 0 and f"layout: torchtitan, world_size: {world}" in shown.stdout, shown.stderr
 
 
 def test_rope_rows_stream_in_small_blocks_from_a_step_with_optimizer_state(titan, cli, tmp_path, monkeypatch):
