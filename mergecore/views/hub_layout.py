@@ -250,7 +250,10 @@ def _reordered_boxes(model, shapes: dict[str, tuple[int, ...]], slices: dict, na
             numbered[name] = torch.arange(base, base + math.prod(shapes[name]), dtype=torch.int64).reshape(shapes[name])
             base += math.prod(shapes[name])
         first.append(base)  # one past the last number
-        reverted = revert_weight_conversion(model, numbered)
+        try:
+            reverted = revert_weight_conversion(model, numbered)
+        except (RuntimeError, ValueError, KeyError, IndexError):  # the conversion needs tensors of other layers
+            continue  # its outputs stay unfound: refused below
         for name in set(names).intersection(reverted):
             found[name] = _read_back(name, reverted[name], group, first, shapes)
     for name in set(names) - set(found):
