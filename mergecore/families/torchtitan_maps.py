@@ -127,9 +127,9 @@ def hub_names(shapes: dict[str, tuple[int, ...]], config: dict, where: str) -> d
             f"{where}: holds torchtitan's own parameter names (tok_embeddings, layers.N.attention...), but the "
             f"config of --hf_model_path is a {model_type!r} model; ckptflow maps torchtitan's "
             f"{' and '.join(TABLES)} models: pass --hf_model_path of the Hugging Face model that was trained")
-    names = {}
+    names, patterns = {}, {pattern: (hf or "", rows) for pattern, (hf, rows) in table.items()}  # find wants strings
     for key, shape in shapes.items():
-        mapped = find(key, {pattern: (hf or "", rows) for pattern, (hf, rows) in table.items()})
+        mapped = find(key, patterns)
         if mapped is None:
             raise CheckpointError(
                 f"{where}: {key} has no Hugging Face name for torchtitan's {model_type} model; the checkpoint is "

@@ -256,7 +256,7 @@ def _reordered_boxes(model, shapes: dict[str, tuple[int, ...]], slices: dict, na
             continue  # its outputs stay unfound: refused below
         for name in set(names).intersection(reverted):
             found[name] = _read_back(name, reverted[name], group, first, shapes)
-    for name in set(names) - set(found):
+    for name in sorted(set(names) - set(found)):  # the first in name order: the same message every run
         raise CheckpointError(
             f"transformers' save conversion computes {name} (combines elements: neither a slice of one saved "
             "tensor, slices joined side by side, nor a reordering of one); ckptflow cannot stream it: load the "
