@@ -2,12 +2,14 @@
 the row-block budget, in one run.
 
     python bench/bench_memory.py [--repeat 3]
-    python bench/bench_memory.py --loaded --repeat 5   # bf16 only: quiet, then beside a CPU hog and a disk hog
+    python bench/bench_memory.py --loaded --repeat 5   # bf16 only: quiet, then beside a CPU hog and a disk hog,
+                                                       # each sample a first merge (empty config cache)
 
 The checkpoint: a one-layer Qwen2 shape with vocab 152064 x hidden 2048 (tied embedding: 1.25 GB fp32),
 saved as verl's FSDP2 rank files (W=4, DTensor Shard(0)), written in one process with torch's fake process
 group (real DTensor pickles, no training). Each merge is a whole process (`bench/ckptflow_merge.py`,
-verification on); memory is its peak anonymous (private) RSS, start-up included. "whole" is
+verification on); memory is the peak anonymous (private) RSS of it and its child processes together, start-up
+included. "whole" is
 CKPTFLOW_CHUNK_BYTES=0 (every tensor assembled whole, as before the budget), "budget" the default.
 """
 
@@ -59,8 +61,13 @@ def write_checkpoint(role: Path) -> None:
     config.save_pretrained(role / "huggingface")
 
 
-def run(label: str, role: Path, out: Path, dtype: str, budget: str, repeat: int) -> dict:
+def run(label: str, role: Path, out: Path, dtype: str, budget: str, repeat: int, config_cache: Path | None = None) -> dict:
+    """`config_cache`: an empty CKPTFLOW_CONFIG_CACHE for this sample (a machine's first merge of the config: the
+    config check builds the model, importing torch and transformers); None keeps the user's warm one."""
     env = {**os.environ, "CKPTFLOW_CHUNK_BYTES": budget, "PYTHONPATH": str(HERE.parent)}
+    if config_cache is not None:
+        shutil.rmtree(config_cache, ignore_errors=True)
+        env["CKPTFLOW_CONFIG_CACHE"] = str(config_cache)
     argv = [PYTHON, str(HERE / "ckptflow_merge.py"), "merge", "--local_dir", str(role), "--target_dir", str(out),
             "--dtype", dtype]
     return median_run(label, argv, out, repeat, f"{role}/model_*.pt", env)
@@ -88,7 +95,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--loaded", action="store_true",
                         help="only the bf16 budget merge, --repeat times quiet and --repeat times beside a CPU hog "
-                             "and a disk hog; prints every sample's peak (the goal holds for the largest)")
+                             "and a disk hog, each with an empty config cache; prints every sample's peak (the goal "
+                             "holds for the largest)")
     args = parser.parse_args()
     role = args.work / "vocab152064" / "global_step_1" / "actor"
     if not (role / "huggingface" / "config.json").exists():
@@ -97,9 +105,11 @@ def main() -> None:
         write_checkpoint(role)
     out = args.work / "out-memory"
     if args.loaded:
-        quiet = [run("bf16 budget, quiet", role, out, "bf16", "64MiB", 1) for _ in range(args.repeat)]
+        cold = args.work / "config-cache-cold"
+        quiet = [run("bf16 budget, quiet", role, out, "bf16", "64MiB", 1, cold) for _ in range(args.repeat)]
         with competing(args.work):
-            loaded = [run("bf16 budget, CPU + disk hogs", role, out, "bf16", "64MiB", 1) for _ in range(args.repeat)]
+            loaded = [run("bf16 budget, CPU + disk hogs", role, out, "bf16", "64MiB", 1, cold)
+                      for _ in range(args.repeat)]
         for label, samples in (("quiet", quiet), ("loaded", loaded)):
             peaks = [sample["anon_mib"] for sample in samples]
             print(f"  {label}: peak private {', '.join(f'{p:.0f}' for p in peaks)} MiB (largest {max(peaks):.0f}) "

@@ -14,18 +14,38 @@ from pathlib import Path
 
 
 def _status_kib(pid: int) -> tuple[int, int]:
+    """RssAnon and VmRSS of `pid` and every process below it, summed: a merge's helper processes (the config
+    check's child) count against its memory as much as its own pages."""
     anon = total = 0
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                anon = int(line.split()[1])
-            elif line.startswith("VmRSS:"):
-                total = int(line.split()[1])
+    for each in _tree(pid):
+        try:
+            with open(f"/proc/{each}/status") as f:
+                for line in f:
+                    if line.startswith("RssAnon:"):
+                        anon += int(line.split()[1])
+                    elif line.startswith("VmRSS:"):
+                        total += int(line.split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            if each == pid:
+                raise
     return anon, total
 
 
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants (from /proc/PID/task/TID/children)."""
+    found, index = [pid], 0
+    while index < len(found):
+        for task in Path(f"/proc/{found[index]}/task").glob("*"):
+            try:
+                found += [int(child) for child in (task / "children").read_text().split()]
+            except OSError:
+                pass
+        index += 1
+    return found
+
+
 def measure(argv: list[str], env: dict | None = None) -> dict:
-    """Wall seconds, peak RssAnon and peak VmRSS (MiB) of one process running `argv`.
+    """Wall seconds, peak RssAnon and peak VmRSS (MiB) of one process running `argv` (its descendants included).
 
     A program that prints `work_seconds=X` (its time after imports) gets that reported too.
     """

@@ -10,7 +10,9 @@ says which (it is kept in the manifest).
 
 Building the meta model costs seconds of imports (torch, transformers), so its answer is kept on disk per
 config.json content and transformers install (`CKPTFLOW_CONFIG_CACHE`, default `saved-tensors/` under `CKPTFLOW_CACHE`): the next
-checkpoint of the same training run is checked without importing either.
+checkpoint of the same training run is checked without importing either. Without a kept answer it is asked in a
+short-lived child process (`python -m` this module), unless this process imported both already: the imports'
+~240 MiB would otherwise stay in the merging process for its whole life, above the memory budget's rows.
 
 >>> check_config(source, config, plan)  # doctest: +SKIP
 {'by': 'transformers', 'model': 'Qwen2ForCausalLM', 'tensors': 27}
@@ -21,6 +23,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from ..errors import CheckpointError
@@ -145,10 +149,36 @@ def saved_tensors(config: dict) -> dict:
             return json.loads(cache.read_text())["answer"]
         except (OSError, ValueError, KeyError, TypeError):
             pass  # absent or unreadable: compute it
-    answer = _ask_transformers(config)
+    key = json.dumps(config, sort_keys=True)
+    if key not in _ANSWERED:  # an unwritable cache must not cost every later call its own child
+        _ANSWERED[key] = _ask_transformers(config) if _imports_paid() else _ask_in_child(config)
     if cache is not None:
-        _store(cache, {"answer": answer})
-    return answer
+        _store(cache, {"answer": _ANSWERED[key]})
+    return _ANSWERED[key]
+
+
+_ANSWERED: dict[str, dict] = {}
+
+
+def _imports_paid() -> bool:
+    """Whether this process already holds torch and transformers' model code (a Hub-layout view built the meta
+    model, or the caller is a training script): then a child would only pay them twice."""
+    return "torch" in sys.modules and "transformers.modeling_utils" in sys.modules
+
+
+def _ask_in_child(config: dict) -> dict:
+    """`_ask_transformers` in a child process, so its imports leave with it. A refusal comes back as the same
+    one-line CheckpointError; any other failure of the child is asked again here, to surface as it would have."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+    child = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(config), capture_output=True,
+                           text=True, env=env)
+    try:
+        said = json.loads(child.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return _ask_transformers(config)
+    if "refused" in said:
+        raise CheckpointError(said["refused"])
+    return said["answer"]
 
 
 def _ask_transformers(config: dict) -> dict:
@@ -209,3 +239,11 @@ def _store(cache: Path, data: dict) -> None:
         os.replace(partial, cache)
     except OSError:
         pass
+
+
+if __name__ == "__main__":  # `_ask_in_child`: config.json on stdin, one JSON line on stdout
+    try:
+        _said = {"answer": _ask_transformers(json.load(sys.stdin))}
+    except CheckpointError as refused:
+        _said = {"refused": str(refused)}
+    print(json.dumps(_said))

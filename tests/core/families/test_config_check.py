@@ -107,3 +107,52 @@ def test_every_family_merge_is_checked_by_transformers(demo, tmp_path):
                         ("critic-w2", "Qwen2ForTokenClassification")):
         manifest = merge_checkpoint(str(demo(name).role_dir), tmp_path / name)
         assert manifest["source"]["options"]["config_check"]["model"] == model, name
+
+
+# ---- a first merge of a config: transformers is asked in a child process, whose imports leave with it
+
+_MERGE_AND_SAY_IMPORTS = (
+    "import sys\nfrom ckptflow.flows.cli import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as done:\n"
+    "    code = done.code\nelse:\n    code = 0\n"
+    "print('imported:', sorted(m for m in ('torch', 'transformers') if m in sys.modules))\nsys.exit(code)")
+
+
+def _first_merge(role_dir, target, cache):
+    """`ckptflow merge` in a fresh process with an empty config cache: (process, the modules it imported)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CKPTFLOW_CONFIG_CACHE": str(cache)}
+    run = subprocess.run([sys.executable, "-c", _MERGE_AND_SAY_IMPORTS, "merge", "--local_dir", str(role_dir),
+                          "--target_dir", str(target)], capture_output=True, text=True, timeout=300, env=env)
+    return run, run.stdout.strip().splitlines()[-1]
+
+
+def test_first_merge_of_a_config_imports_neither_torch_nor_transformers(demo, tmp_path):
+    """The merging process stays small on a machine's first merge of a config (was: ~240 MiB of torch and
+    transformers kept for the whole merge, 357 MiB at vocab 152064): the answer comes from a child, is checked as
+    always (the manifest says by transformers' Qwen2ForCausalLM) and kept for the next merge."""
+    run, imported = _first_merge(demo("fsdp2-w2").role_dir, tmp_path / "out", tmp_path / "cache")
+    assert run.returncode == 0, run.stderr
+    assert imported == "imported: []"
+    manifest = json.loads((tmp_path / "out" / "ckptflow_manifest.json").read_text())
+    assert manifest["source"]["options"]["config_check"] == {"by": "transformers", "model": "Qwen2ForCausalLM",
+                                                             "tensors": 27}
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 1
+
+
+def test_config_transformers_cannot_build_is_refused_from_the_child_in_one_line(demo_copy, tmp_path):
+    """transformers' own complaint, raised in the child, reaches the user as the same one-line error: exit 2,
+    nothing written, nothing cached."""
+    run = demo_copy("fsdp2-w2")
+    config_path = run.role_dir / "huggingface" / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "hidden_act": "no_such_activation"}))
+    target = tmp_path / "out"
+    done, imported = _first_merge(run.role_dir, target, tmp_path / "cache")
+    assert done.returncode == 2, done.stderr
+    message = done.stderr.strip()
+    assert message.startswith("error:") and "\n" not in message, message
+    assert "transformers cannot build Qwen2ForCausalLM" in message and "no_such_activation" in message, message
+    assert imported == "imported: []"
+    assert not target.exists() and not list((tmp_path / "cache").glob("*.json"))
