@@ -93,11 +93,11 @@ class CheckpointSource(ABC):
         from ..numbers.budget import chunk_bytes, row_spans
         from ..errors import VerificationError
 
-        merged = to_numpy(merged)
+        merged, budget = to_numpy(merged), chunk_bytes()
         count = 0
         for piece in self.pieces(name):
             saved, index = to_numpy(piece.tensor), piece.index
-            for low, high in row_spans(saved.shape, merged.dtype.itemsize, chunk_bytes()):
+            for low, high in row_spans(saved.shape, merged.dtype.itemsize, budget):
                 mine = merged[(slice(index[0].start + low, index[0].start + high), *index[1:])] if saved.ndim else merged
                 if not bitwise_equal(mine, cast(saved[low:high] if saved.ndim else saved, dtype_of(merged))):
                     raise VerificationError(

@@ -72,6 +72,8 @@ def to_numpy(array) -> np.ndarray:
     """A numpy view of a numpy array or a CPU torch tensor, without copying; bfloat16 (torch's, or
     an ml_dtypes array a caller made) becomes its uint16 bits."""
     if isinstance(array, np.ndarray):
+        if array.dtype in _BY_NUMPY:  # a dict lookup: `dtype.name` is Python code, ~7 µs a call per piece
+            return array
         # ml_dtypes' bfloat16, recognised by name so that ml_dtypes is never imported here
         return array.view(np.uint16) if array.dtype.name == "bfloat16" else array
     import torch

@@ -12,6 +12,7 @@ path). However many groups and workers run at once (the pipeline merges two grou
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -33,9 +34,14 @@ def chunk_bytes(value: int | str | None = None) -> int:
     """The budget in bytes: `value` when given, else `CKPTFLOW_CHUNK_BYTES`, else 64 MiB; 0 means unbounded."""
     raw = value if value is not None else os.environ.get("CKPTFLOW_CHUNK_BYTES", DEFAULT_CHUNK_BYTES)
     try:
-        return parse_size(raw)
+        return _parsed(raw)
     except CheckpointError:
         raise CheckpointError(f"CKPTFLOW_CHUNK_BYTES={raw!r}: not a size; write it like 64MB or in bytes (0: unbounded)") from None
+
+
+@functools.lru_cache(maxsize=8)  # asked once per piece (thousands of ranks: tens of thousands of times)
+def _parsed(raw: int | str) -> int:
+    return parse_size(raw)
 
 
 def rows_per_block(shape: tuple[int, ...], itemsize: int, budget: int | None) -> int | None:
