@@ -102,6 +102,9 @@ def test_gpu_pool_templates_are_valid_work_pools(pool):
     with pytest.raises(Exception):  # the image and the target root's volume have no default: deployments must say
         validate({}, template["variables"], raise_on_error=True)
     job = rendered(template, GPU_VALUES[pool])
+    # each run is a fresh container: the config check's answers live on the target root's volume, so only a
+    # cluster's first checkpoint of a config pays transformers' imports (seconds), not every event
+    assert job["env"]["CKPTFLOW_CONFIG_CACHE"].startswith("/models/")
     if pool == "kubernetes-gpu":
         pod = job["job_manifest"]["spec"]["template"]["spec"]
         container = pod["containers"][0]
