@@ -170,11 +170,11 @@ def _ask_in_child(config: dict) -> dict:
     """`_ask_transformers` in a child process, so its imports leave with it. A refusal comes back as the same
     one-line CheckpointError; any other failure of the child is asked again here, to surface as it would have."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
-    child = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(config), capture_output=True,
-                           text=True, env=env)
     try:
+        child = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(config), capture_output=True,
+                               text=True, env=env)
         said = json.loads(child.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
+    except (OSError, ValueError, IndexError):  # no interpreter to start, or it died: ask here
         return _ask_transformers(config)
     if "refused" in said:
         raise CheckpointError(said["refused"])

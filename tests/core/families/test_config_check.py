@@ -156,3 +156,16 @@ def test_config_transformers_cannot_build_is_refused_from_the_child_in_one_line(
     assert "transformers cannot build Qwen2ForCausalLM" in message and "no_such_activation" in message, message
     assert imported == "imported: []"
     assert not target.exists() and not list((tmp_path / "cache").glob("*.json"))
+
+
+def test_without_an_interpreter_to_start_the_config_is_asked_here(demo, monkeypatch):
+    """A process that cannot start a child (a frozen or embedded Python: `sys.executable` is no interpreter) still
+    gets transformers' answer, asked in this process."""
+    import sys
+
+    from mergecore.families import config_check
+
+    config = json.loads((demo("fsdp2-w2").role_dir / "huggingface" / "config.json").read_text())
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    answer = config_check._ask_in_child(config)
+    assert answer["model"] == "Qwen2ForCausalLM" and "model.embed_tokens.weight" in answer["tensors"]
