@@ -29,6 +29,7 @@ from mergecore.storage import Location
 from .events import promotion_place
 from .promote import promote_checkpoint
 from .requests import PromotionSettings
+from .run import in_process_settings
 
 _STEP_LEAF = re.compile(r"^step-(\d+)$")
 
@@ -121,7 +122,8 @@ def promote_latest(
         if done:
             logger.info("%s step %s: already promoted at %s", run_root.name, step, place["target"])
         else:
-            promote_checkpoint(settings.request(run_root.join(f"global_step_{step}", settings.role).url, **place))
+            with in_process_settings():  # nested: no heartbeat thread of its own to join
+                promote_checkpoint(settings.request(run_root.join(f"global_step_{step}", settings.role).url, **place))
         removed = prune(target_root, run_root.name, place["hub_repo"], keep_last_n, token) if keep_last_n else {}
         report[run_root.name] = {"step": step, "promoted": not done, **place, "removed": removed}
     return report

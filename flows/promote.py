@@ -32,6 +32,7 @@ from .pictures import publish_picture
 from .progress import GroupProgress
 from .reports import equivalence_rows, merge_report
 from .requests import PromotionRequest
+from .run import in_process_settings
 
 
 @flow(name="merge-checkpoint", task_runner=group_task_runner("threads"))
@@ -102,7 +103,8 @@ def promote_checkpoint(request: PromotionRequest) -> dict:
         merge = merge.with_source(checkpoint=seen_from_workers(what.checkpoint), hf_dir=seen_from_workers(what.hf_dir),
                                   custom_mapping=seen_from_workers(what.custom_mapping))
     proofs = request.folder_checks()
-    manifest = merge_checkpoint.with_options(task_runner=runner)(merge, proofs)
+    with in_process_settings():  # nested: no heartbeat thread of its own to join
+        manifest = merge_checkpoint.with_options(task_runner=runner)(merge, proofs)
     target = merge.where.target
     checks = run_equivalence_tests(target, manifest, proofs)
     create_table_artifact(equivalence_rows(checks), key="equivalence", description="equivalence tests")

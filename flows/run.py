@@ -22,12 +22,15 @@ _SERVER_TIMED_OUT = "Timed out while attempting to connect to ephemeral Prefect 
 
 @contextmanager
 def in_process_settings():
-    """Prefect settings for flows run in this process (CLI, tests, benchmarks).
+    """Prefect settings for flows run in this process: by the CLI, tests and benchmarks, and every nested flow
+    (a deployment's run calls its subflows under it).
 
     Flow-run heartbeats let a server spot crashed runs, but only with an automation watching for
-    them, and Prefect 3.9 joins the heartbeat thread at the end of every flow run (up to 1 s each).
-    So they are off unless PREFECT_FLOWS_HEARTBEAT_FREQUENCY is set (env or profile): the setting
-    of someone who wants a killed CLI run marked Crashed. The temporary server gets
+    them, and Prefect 3.9 joins the heartbeat thread at the end of every flow run (up to 1 s each: it
+    sleeps in whole seconds). So they are off unless PREFECT_FLOWS_HEARTBEAT_FREQUENCY is set (env or
+    profile): the setting of someone who wants a killed CLI run marked Crashed. A deployment's run keeps its
+    own heartbeat (the engine starts it before the flow's code runs); its nested flows, in the same process,
+    would only add their joins. The temporary server gets
     EPHEMERAL_STARTUP_TIMEOUT_S to start unless PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS is
     set, and when it still does not answer that is one line (CheckpointError), not a traceback.
     Building a Settings object costs ~50 ms, so the adjusted copy is made once per current settings.

@@ -27,6 +27,7 @@ from mergecore.hub import check_repo_id
 from .events import UploadedCheckpoint, promotion_place, step_and_run, step_branch
 from .promote import promote_checkpoint
 from .requests import PromotionSettings
+from .run import in_process_settings
 
 _BRANCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}")
 
@@ -186,7 +187,8 @@ def promote_uploaded(
     `settings`. The final state's message says where the model is."""
     place = event_place(checkpoint, target_root, hub_org, step, run, target, hub_repo, revision, revision_pattern)
     source = inside_checkpoint_root(checkpoint, checkpoint_root)  # the event's fields were checked by event_place
-    result = promote_checkpoint(settings.request(source, **place))
+    with in_process_settings():  # nested: no heartbeat thread of its own to join
+        result = promote_checkpoint(settings.request(source, **place))
     return Completed(message=where_message(result), data=result)
 
 
