@@ -178,7 +178,8 @@ def main() -> None:
         from prefect import flow
 
         from ckptflow.flows.requests import PromotionRequest
-        from ckptflow.flows.run import in_process_settings, run_promotion
+        from ckptflow.flows.run import run_promotion
+        from ckptflow.flows.settings import in_process_settings
         from mergecore import merge_checkpoint
 
         @flow

@@ -555,7 +555,8 @@ def promote_latest_command(
     require_pipeline("promote-latest")
     from ckptflow.flows.latest import promote_latest
     from ckptflow.flows.requests import PromotionSettings
-    from ckptflow.flows.run import first_error, in_process_settings
+    from ckptflow.flows.run import first_error
+    from ckptflow.flows.settings import in_process_settings
 
     settings = PromotionSettings(role=role, how={"dtype": dtype}, hub_token_secret=hub_token_secret)  # checked here
     with in_process_settings():

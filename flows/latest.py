@@ -29,7 +29,7 @@ from mergecore.storage import Location
 from .events import promotion_place
 from .promote import promote_checkpoint
 from .requests import PromotionSettings
-from .run import in_process_settings
+from .settings import in_process_settings
 
 _STEP_LEAF = re.compile(r"^step-(\d+)$")
 

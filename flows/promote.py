@@ -32,7 +32,7 @@ from .pictures import publish_picture
 from .progress import GroupProgress
 from .reports import equivalence_rows, merge_report
 from .requests import PromotionRequest
-from .run import in_process_settings
+from .settings import in_process_settings
 
 
 @flow(name="merge-checkpoint", task_runner=group_task_runner("threads"))

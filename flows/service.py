@@ -27,7 +27,7 @@ from mergecore.hub import check_repo_id
 from .events import UploadedCheckpoint, promotion_place, step_and_run, step_branch
 from .promote import promote_checkpoint
 from .requests import PromotionSettings
-from .run import in_process_settings
+from .settings import in_process_settings
 
 _BRANCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}")
 

@@ -180,7 +180,7 @@ def prefect_server():
     """A real Prefect API (temporary SQLite database) for the flow tests of this session."""
     from prefect.testing.utilities import prefect_test_harness
 
-    from ckptflow.flows.run import in_process_settings
+    from ckptflow.flows.settings import in_process_settings
 
     with in_process_settings(), prefect_test_harness(server_startup_timeout=60):
         yield

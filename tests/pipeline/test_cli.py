@@ -163,7 +163,7 @@ def test_fsdp_merge_and_verify_never_import_torch(demo, tmp_path):
 def test_flow_heartbeats_are_off_in_process_unless_asked_for():
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
 
-    from ckptflow.flows.run import in_process_settings
+    from ckptflow.flows.settings import in_process_settings
 
     with in_process_settings():
         assert get_current_settings().flows.heartbeat_frequency is None

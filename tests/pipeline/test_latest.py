@@ -18,7 +18,7 @@ def snapshot(folder: Path) -> dict:
 
 def run_flow(**parameters):
     from ckptflow.flows.latest import promote_latest
-    from ckptflow.flows.run import in_process_settings
+    from ckptflow.flows.settings import in_process_settings
 
     with in_process_settings():
         return promote_latest(**parameters)

@@ -132,7 +132,7 @@ def test_the_temporary_server_gets_a_generous_start_up_time_unless_the_user_set_
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as startup_timeout
     from prefect.settings import Settings, temporary_settings
 
-    from ckptflow.flows.run import in_process_settings
+    from ckptflow.flows.settings import in_process_settings
 
     monkeypatch.delenv(STARTUP_SETTING, raising=False)
     unset = Settings()  # as a user without the setting (env or profile) has it

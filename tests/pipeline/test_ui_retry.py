@@ -21,7 +21,7 @@ def execute(flow, flow_run_id):
     from prefect.client.orchestration import get_client
     from prefect.flow_engine import run_flow
 
-    from ckptflow.flows.run import in_process_settings
+    from ckptflow.flows.settings import in_process_settings
 
     with get_client(sync_client=True) as client:
         flow_run = client.read_flow_run(flow_run_id)
