@@ -1,5 +1,5 @@
-"""Prefect settings for flows run in this process: the CLI's promotion, tests, benchmarks, and every nested flow
-(a deployment's run calls its subflows under them)."""
+"""Prefect settings for flows run in this process (`in_process_settings`), and the one line for a temporary
+server that never answered."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ def in_process_settings():
     sleeps in whole seconds). So they are off unless PREFECT_FLOWS_HEARTBEAT_FREQUENCY is set (env or
     profile): the setting of someone who wants a killed CLI run marked Crashed. A deployment's run keeps its
     own heartbeat (the engine starts it before the flow's code runs); its nested flows, in the same process,
-    would only add their joins. The temporary server gets
-    EPHEMERAL_STARTUP_TIMEOUT_S to start unless PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS is
-    set, and when it still does not answer that is one line (CheckpointError), not a traceback.
+    would only add their joins. The temporary server gets EPHEMERAL_STARTUP_TIMEOUT_S to start unless
+    PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS is set, and when it still does not answer that is one
+    line (CheckpointError), not a traceback.
     Building a Settings object costs ~50 ms, so the adjusted copy is made once per current settings.
 
     >>> with in_process_settings():

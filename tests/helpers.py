@@ -15,6 +15,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent  # the repository root, whatever folder a test sits in
 
 
+_CLI_SAYING_IMPORTS = (
+    "import sys\nfrom ckptflow.flows.cli import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as done:\n"
+    "    code = done.code\nelse:\n    code = 0\n"
+    "print('imported:', sorted(m for m in ('torch', 'transformers') if m in sys.modules))\nsys.exit(code)")
+
+
+def cli_in_fresh_process(*args, config_cache: Path):
+    """`ckptflow ARGS` in a new Python process with `config_cache` as CKPTFLOW_CONFIG_CACHE: (the finished process,
+    its last line: which of torch and transformers it imported, e.g. "imported: []")."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CKPTFLOW_CONFIG_CACHE": str(config_cache)}
+    run = subprocess.run([sys.executable, "-c", _CLI_SAYING_IMPORTS, *map(str, args)], capture_output=True, text=True,
+                         timeout=300, env=env)
+    return run, run.stdout.strip().splitlines()[-1]
+
+
 def free_port() -> int:
     """A TCP port free on loopback right now."""
     with socket.socket() as probe:

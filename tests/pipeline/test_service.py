@@ -421,6 +421,7 @@ def assert_only_outer_runs_send_heartbeats(api: str) -> None:
     answer = httpx.post(f"{api}/events/filter", json={"filter": {"event": {"name": ["prefect.flow-run.heartbeat"]}},
                                                       "limit": 50})  # the server's most per page
     assert answer.status_code == 200, answer.text
+    assert answer.json()["total"] <= 50, "more heartbeats than one page: read the next pages too"
     events = answer.json()["events"]
     beating = {event["resource"]["prefect.resource.id"].removeprefix("prefect.flow-run.") for event in events}
     nested = [run for run in runs if run["parent_task_run_id"]]

@@ -9,7 +9,7 @@ and saved as verl saves it. `reference/` is its own save_pretrained and its own 
 
 from __future__ import annotations
 
-from helpers import torch_threads
+from helpers import cli_in_fresh_process, torch_threads
 import json
 import pytest
 import torch
@@ -111,22 +111,9 @@ def test_every_family_merge_is_checked_by_transformers(demo, tmp_path):
 
 # ---- a first merge of a config: transformers is asked in a child process, whose imports leave with it
 
-_MERGE_AND_SAY_IMPORTS = (
-    "import sys\nfrom ckptflow.flows.cli import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as done:\n"
-    "    code = done.code\nelse:\n    code = 0\n"
-    "print('imported:', sorted(m for m in ('torch', 'transformers') if m in sys.modules))\nsys.exit(code)")
-
-
 def _first_merge(role_dir, target, cache):
     """`ckptflow merge` in a fresh process with an empty config cache: (process, the modules it imported)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "CKPTFLOW_CONFIG_CACHE": str(cache)}
-    run = subprocess.run([sys.executable, "-c", _MERGE_AND_SAY_IMPORTS, "merge", "--local_dir", str(role_dir),
-                          "--target_dir", str(target)], capture_output=True, text=True, timeout=300, env=env)
-    return run, run.stdout.strip().splitlines()[-1]
+    return cli_in_fresh_process("merge", "--local_dir", role_dir, "--target_dir", target, config_cache=cache)
 
 
 def test_first_merge_of_a_config_imports_neither_torch_nor_transformers(demo, tmp_path):

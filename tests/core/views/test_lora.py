@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckptflow.testing.demo_checkpoint import LOGITS_FILE, LORA_ALPHA, LORA_R
+from helpers import cli_in_fresh_process
 
 pytest.importorskip("peft")
 
@@ -222,20 +223,13 @@ def test_dense_lora_merge_asks_transformers_once_per_config(lora_full, tmp_path)
     names are); the config check asks it always (every family is checked against transformers' own model), in a
     child process the first time, and its answer is kept per config.json and transformers install: neither merge
     imports torch or transformers (they cost seconds and ~240 MiB), and one answer is kept."""
-    import os
-    import subprocess
-    import sys
-
-    program = ("import sys\nfrom flows.cli import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as done:\n"
-               "    assert not done.code, done.code\nprint('imported:', sorted(m for m in ('transformers', 'torch') if m in sys.modules))")
-    env = {**os.environ, "CKPTFLOW_CONFIG_CACHE": str(tmp_path / "cache")}
     imported = []
     for target in (tmp_path / "first", tmp_path / "second"):
-        run = subprocess.run([sys.executable, "-c", program, "merge", "--local_dir", str(lora_full.run_root),
-                              "--target_dir", str(target)], capture_output=True, text=True, timeout=300, env=env)
+        run, said = cli_in_fresh_process("merge", "--local_dir", lora_full.run_root, "--target_dir", target,
+                                         config_cache=tmp_path / "cache")
         assert run.returncode == 0, run.stderr
         assert (target / "lora_adapter" / "adapter_model.safetensors").exists()
-        imported.append(run.stdout.strip().splitlines()[-1])
+        imported.append(said)
     assert imported == ["imported: []", "imported: []"]
     assert len(list((tmp_path / "cache").rglob("*.json"))) == 1
 
