@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import sys
 from pathlib import Path
 
 import yaml
@@ -79,7 +80,7 @@ def apply_deployments(target_root: str | None = None, hub_org: str | None = None
 
     spec = yaml.safe_load(spec_path.read_text())
     boundary = boundary_options(target_root, hub_org, checkpoint_root, revision_pattern)
-    env = {"CKPTFLOW_REPO": str(REPO), **os.environ}
+    env = {"CKPTFLOW_REPO": str(REPO), "CKPTFLOW_PYTHON": sys.executable, **os.environ}
     url = api_url()
     from prefect.client.orchestration import get_client
 

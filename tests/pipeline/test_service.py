@@ -311,6 +311,18 @@ def test_deploy_twice_changes_nothing(service):
     assert deployment.parameters["target_root"] == str(service["root"]) and deployment.parameters["hub_org"] == "acme"
     assert deployment.parameters["checkpoint_root"] == str(service["sources"])
     assert "revision_pattern" not in deployment.parameters  # only the derived step-N branch
+    assert_one_process_per_flow_run(service)
+
+
+def assert_one_process_per_flow_run(service) -> None:
+    """The process pool's deployments name the engine command, in the interpreter `ckptflow deploy` ran in: without
+    one, Prefect's process worker starts a workspace supervisor first (a second Python start-up and Prefect import,
+    ~1.2 s of every event)."""
+    with api_client(service) as client:
+        on_process_pool = [d for d in client.read_deployments() if d.work_pool_name == "ckptflow-process"]
+    assert len(on_process_pool) == 3
+    for deployment in on_process_pool:
+        assert deployment.job_variables["command"] == f"{sys.executable} -m prefect.engine", deployment.name
 
 
 def test_deploy_without_a_server_url_is_one_line():

@@ -1,0 +1,138 @@
+"""Event to verified model on a real Prefect server and process worker, phase by phase.
+
+    python bench/bench_event.py                  # 5 samples after one warm-up
+    python bench/bench_event.py --query-seconds 0.5
+
+Writes a tiny verl FSDP checkpoint once (`ckptflow demo-checkpoint`: 2 gloo ranks, hidden 128) under --work,
+starts a Prefect server, a loopback Hub (tests/hub_server.py) and `ckptflow deploy --target-root ... --hub-org
+acme`, then a process worker (`prefect worker start`, polling every --query-seconds), the way docs/service.md
+deploys it. Each sample copies the checkpoint to a new `global_step_N` folder (a checkpoint not seen before:
+merged, proven and pushed to a new branch) and announces it as `ckptflow notify` does, after the server and
+the worker have gone idle. The first announcement is a warm-up (the config check's first answer, the repo's
+creation) and is printed but not counted.
+
+Each phase is read back from the server's own clock: the event's time, the run's creation (the automation),
+Pending (the worker took it), Running (the flow-run process reached the flow), Completed (model published and
+pushed). Prints the median of each phase and the goal line: event to verified model <= 5 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO / "tests"))  # the loopback Hub
+
+from bench_flow import goal_line, settle, start_server  # noqa: E402
+
+PHASES = ("automation (event -> run created)", "worker poll (created -> pending)",
+          "flow process start (pending -> running)", "flows, proofs, push (running -> completed)")
+
+
+def checkpoint(work: Path) -> Path:
+    """The demo run's role folder (run/global_step_1/actor), written once."""
+    run = work / "run"
+    role = run / "global_step_1" / "actor"
+    if not (role / "huggingface" / "config.json").exists():
+        shutil.rmtree(run, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "ckptflow.flows.cli", "demo-checkpoint", str(run), "--world-size", "2",
+                        "--hidden-size", "128"], check=True, cwd=REPO)
+    return role
+
+
+def new_step(role: Path, step: int) -> Path:
+    """A copy of the checkpoint as training step `step` of the same run."""
+    copy = role.parent.parent / f"global_step_{step}" / role.name
+    shutil.rmtree(copy.parent, ignore_errors=True)
+    shutil.copytree(role, copy)
+    return copy
+
+
+def phases(run_id, occurred: datetime.datetime) -> list[float]:
+    """Seconds of each phase of one flow run, from its state history on the server."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        created = client.read_flow_run(run_id).created
+        states = {s.type.value: s.timestamp for s in client.read_flow_run_states(run_id)}
+    marks = [occurred, created, states["PENDING"], states["RUNNING"], states["COMPLETED"]]
+    return [(later - earlier).total_seconds() for earlier, later in zip(marks, marks[1:])]
+
+
+def one_event(role: Path, step: int) -> list[float]:
+    from ckptflow.flows.events import api_url, checkpoint_event, follow_run, post_events, triggered_run
+
+    event = checkpoint_event(str(new_step(role, step)))
+    post_events(api_url(), [event])
+    finished = follow_run(triggered_run(event).id, 120)
+    if not finished.state.is_completed():
+        raise RuntimeError(f"run {finished.name} ended {finished.state.name}: {finished.state.message}")
+    return phases(finished.id, datetime.datetime.fromisoformat(event["occurred"]))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=HERE / "_work" / "event")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--query-seconds", type=float, default=1.0, help="the worker's PREFECT_WORKER_QUERY_SECONDS")
+    args = parser.parse_args()
+    from hub_server import HubServer
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    role = checkpoint(args.work)
+    home = args.work / "service"
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir()
+    with HubServer(tokens={"hf_alice": "alice"}, orgs={"acme": {"alice"}}) as hub:
+        os.environ.update({"PREFECT_HOME": str(home / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                           "PREFECT_UI_ENABLED": "false", "HF_ENDPOINT": hub.url, "HF_HOME": str(home / "hf"),
+                           "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": "hf_alice",
+                           "PYTHONPATH": str(REPO), "CKPTFLOW_CONFIG_CACHE": str(home / "config-cache")})
+        server, api = start_server(home)
+        os.environ["PREFECT_API_URL"] = api
+        worker = None
+        try:
+            subprocess.run([sys.executable, "-m", "ckptflow.flows.cli", "deploy", "--target-root", str(home / "models"),
+                            "--hub-org", "acme", "--checkpoint-root", str(role.parent.parent)], check=True, cwd=REPO)
+            worker_env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": str(args.query_seconds)}
+            worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "ckptflow-process",
+                                       "--type", "process"], env=worker_env, cwd=REPO, start_new_session=True,
+                                      stdout=open(home / "worker.log", "wb"), stderr=subprocess.STDOUT)
+            samples = []
+            for step in range(2, args.repeat + 3):
+                settle(server.pid)
+                settle(worker.pid)
+                seconds = one_event(role, step)
+                label = "warm-up" if step == 2 else f"sample {step - 2}"
+                print(f"{label}: {sum(seconds):.2f} s = " + " + ".join(f"{s:.2f}" for s in seconds), flush=True)
+                if step > 2:
+                    samples.append(seconds)
+        finally:
+            for process in (worker, server):
+                if process is not None:
+                    process.terminate()
+                    process.wait(30)
+    print(f"\nmedians of {len(samples)} events (worker polling every {args.query_seconds:g} s):")
+    for name, values in zip(PHASES, zip(*samples)):
+        print(f"  {name:<44} {statistics.median(values):6.2f} s")
+    print(goal_line("event -> verified model (median)", statistics.median(map(sum, samples)), " s", 5.0))
+
+
+if __name__ == "__main__":
+    main()
