@@ -400,12 +400,16 @@ class FsdpCheckpoint(FetchesByGroup, CheckpointSource):
 def _collector_paused():
     """Python's cycle collector off while thousands of rank files become records: it would rescan
     every record already made, again and again (2.2x the load time at W=1024). Records hold no
-    cycles, so nothing is left for it to find; it is back on afterwards."""
+    cycles, so nothing is left for it to find. They are then frozen (`gc.freeze`) before it is back
+    on: otherwise its next runs walk them through every generation (three scans of ~300k objects at
+    W=1024, 0.5 s). Frozen objects are still freed when their last reference goes; only a cycle
+    frozen with them would outlive its use, and records make none."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        gc.freeze()
         if was_enabled:
             gc.enable()
 
