@@ -99,9 +99,14 @@ def merged(families, tmp_path_factory):
 
 
 def _own_logits(arch: str, folder, own: dict):
-    """The merged folder's logits on the reference's ids, at the reference's thread count."""
+    """The merged folder's logits on the reference's ids, at the reference's thread count and with the weights in
+    freshly allocated memory, as the reference model's were: on some CPUs (AMD EPYC here) a float32 matmul's last
+    bit depends on where its operands sit, and from_pretrained leaves them in the mapped file at whatever offset
+    the safetensors header gives (docs/facts.md)."""
     with torch_threads(own["threads"]), torch.no_grad():
         model = model_class(arch).from_pretrained(folder, dtype=torch.float32).eval()
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = tensor.data.clone()
         return text_model(model, arch)(input_ids=own["input_ids"]).logits.float()
 
 
