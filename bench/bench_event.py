@@ -26,11 +26,9 @@ import argparse
 import datetime
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -76,14 +74,24 @@ def seconds_between(moments: list[datetime.datetime]) -> list[float]:
     return [(later - earlier).total_seconds() for earlier, later in zip(moments, moments[1:])]
 
 
+def every(read, page: int = 200) -> list:
+    """All the runs a `client.read_*_runs` gives, page by page (the server answers at most 200 at a time)."""
+    found: list = []
+    while batch := read(limit=page, offset=len(found)):
+        found += batch
+        if len(batch) < page:
+            break
+    return found
+
+
 def inside_the_run(windows: list[tuple[datetime.datetime, datetime.datetime]]) -> None:
     """Median seconds per task name within each run's Running -> Completed window, the time some task body ran
     (their union), and the rest. A nested flow's own task run (its stand-in in the parent) is left out."""
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        nested = {r.parent_task_run_id for r in client.read_flow_runs(limit=200)}  # a nested flow's stand-in task
-        runs = [r for r in client.read_task_runs(limit=200) if r.start_time and r.end_time and r.id not in nested]
+        nested = {r.parent_task_run_id for r in every(client.read_flow_runs)}  # a nested flow's stand-in task run
+        runs = [r for r in every(client.read_task_runs) if r.start_time and r.end_time and r.id not in nested]
     per_task: dict[str, list[float]] = {}
     in_tasks, outside = [], []
     for start, end in windows:
@@ -117,12 +125,6 @@ def one_event(role: Path, step: int) -> list[datetime.datetime]:
     if not finished.state.is_completed():
         raise RuntimeError(f"run {finished.name} ended {finished.state.name}: {finished.state.message}")
     return marks(finished.id, datetime.datetime.fromisoformat(event["occurred"]))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
