@@ -14,6 +14,7 @@ import functools
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -185,12 +186,12 @@ def _progress(unit: str = "groups") -> Progress:
     )
 
 
-def run_merge(request, source, is_value_model: bool = False) -> dict:
-    """Prepare `request` (its checkpoint already opened: `source`), merge with a progress bar, verify and publish;
-    returns the manifest."""
+def run_merge(request, source, is_value_model: bool = False, since: float | None = None) -> dict:
+    """Prepare `request` (its checkpoint already opened: `source`, from `since`, a `time.perf_counter()` reading),
+    merge with a progress bar, verify and publish; returns the manifest."""
     from mergecore import CheckpointError, merge, open_target, prepare
 
-    prepared = prepare(request, source)
+    prepared = prepare(request, source, since=since)
     check_value_model(is_value_model, prepared.config)
     unit = open_target(request.where.target).unit
     units = prepared.plan.units(unit)
@@ -274,12 +275,13 @@ def merge(
                       check_replicas=check_replicas, on_nonfinite=on_nonfinite, workers=workers, verify=not skip_verify,
                       quantize=quantize, quantize_ignore=tuple(quantize_ignore or ())),
         MergeTarget(target_dir, overwrite=overwrite))
+    opening = time.perf_counter()
     source = opened_for_merge(request)
     if lora_output(request.what, source, request.how.quantize) == "adapter":
         if hf_upload_path:
             refuse("--hf_upload_path with a LoRA adapter output is not supported yet: push the adapter folder yourself")
         return write_lora_adapter(request, source)
-    manifest = run_merge(request, source, is_value_model)
+    manifest = run_merge(request, source, is_value_model, since=opening)
     from mergecore.numbers.nonfinite import nonfinite_found
 
     warn_nonfinite(nonfinite_found(manifest.get("groups_written", [])))

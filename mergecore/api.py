@@ -61,7 +61,10 @@ def merge(
         if prepared is None:  # else the caller checked the target before it read the checkpoint (the CLI does)
             place.target.check(where.overwrite, [request.what.checkpoint])
             prepared = prepare(request)
-        clock.lap("prepare")
+            clock.lap("prepare")
+        else:
+            clock.lap("prepare")
+            clock.laps["prepare"] = prepared.seconds  # what the caller spent preparing it, not this call's instant
         try:
             staged = place.stage(prepared, where.overwrite, metadata_bytes(prepared.source))  # the check that counts
             if staged.published:

@@ -56,6 +56,7 @@ class Prepared:
     config: dict
     plan: MergePlan
     options: dict = field(default_factory=dict)  # how it was opened and planned: recorded, so `verify` reopens alike
+    seconds: float = 0.0  # opening, validating and planning it: the manifest's "prepare" timing
 
 
 LORA_FIELDS = tuple(LoraSettings.__dataclass_fields__)
@@ -233,19 +234,25 @@ def recorded_source(manifest: dict, location: str, hf_dir: str | None = None,
                        lora=LoraSettings(**lora))
 
 
-def prepare(request: MergeRequest | str, source: CheckpointSource | None = None, **options) -> Prepared:
+def prepare(request: MergeRequest | str, source: CheckpointSource | None = None, *, since: float | None = None,
+            **options) -> Prepared:
     """Discover, validate against config.json, and plan: nothing written. Raises CheckpointError on bad input.
-    `source`: the checkpoint already opened (as stored); `request` may be a path, with `options` for the request.
+    `source`: the checkpoint already opened (as stored), `since` the `time.perf_counter()` reading when its
+    opening began (so what was read before counts as preparing: `Prepared.seconds`); `request` may be a path,
+    with `options` for the request.
 
     >>> from ckptflow.testing.examples import example_checkpoint
     >>> prepared = prepare(example_checkpoint(), dtype="bf16", max_shard_size="100KB")
     >>> prepared.plan.dtype, len(prepared.plan.files) > 1
     ('bfloat16', True)
     """
+    started = time.perf_counter() if since is None else since
     request = as_request(request, **options)
     source = as_merged(request.what, source)
     validated = validate(request, source)
-    return prepared_from(request, source, validated, plan_merge(request, source, validated))
+    prepared = prepared_from(request, source, validated, plan_merge(request, source, validated))
+    prepared.seconds = round(time.perf_counter() - started, 3)
+    return prepared
 
 
 def merge_group(

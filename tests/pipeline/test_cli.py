@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 from safetensors.torch import load_file, save_file
 
@@ -19,6 +20,18 @@ def test_verl_spellings_merge_and_test(cli, demo, tmp_path):
     result = cli("test", "--backend", "fsdp", "--local_dir", ckpt.role_dir, "--test_hf_dir", ckpt.reference_dir)
     assert result.exit_code == 0, result.output
     assert "test passed" in result.stdout and "logits" in result.stdout
+
+
+def test_a_merge_manifest_times_its_preparation(cli, demo, tmp_path):
+    """`ckptflow merge` opens, reads and plans the checkpoint before it merges (after checking the target): the
+    manifest's prepare phase counts that (it read 0.0), and the phases add up to no more than the command took."""
+    started = time.perf_counter()
+    result = cli("merge", "--local_dir", demo("fsdp2-w2").role_dir, "--target_dir", tmp_path / "out")
+    took = time.perf_counter() - started
+    assert result.exit_code == 0, result.output
+    timings = json.loads((tmp_path / "out" / "ckptflow_manifest.json").read_text())["timings"]
+    assert set(timings) == {"prepare", "merge", "verify"}
+    assert timings["prepare"] > 0 and sum(timings.values()) <= took
 
 
 def test_test_fails_on_a_tampered_reference(cli, demo, tmp_path):
