@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from ckptflow.flows.signals import raise_on_sigterm, stopped
+from ckptflow.flows.signals import quiet_from_now_on, raise_on_sigterm, stopped
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
 # Markup off: whatever we print — paths, object keys, tensor names, config values, error text — is shown as it is
@@ -77,7 +77,9 @@ def cli_errors(command):
         try:
             return command(*args, **kwargs)
         except KeyboardInterrupt as interruption:  # SIGTERM arrives as flows.signals.Terminated
-            fail(*stopped(interruption))
+            message, exit_code = stopped(interruption)
+            quiet_from_now_on()
+            fail(message, exit_code)
         except CheckpointError as error:
             fail(str(error), error.exit_code)
         except OSError as error:  # a path that cannot be read or written: name it, no traceback

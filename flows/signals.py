@@ -16,6 +16,7 @@ puts the previous handler (ours) back and sends the signal again, so `Terminated
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 
@@ -41,6 +42,14 @@ def stopped(interruption: KeyboardInterrupt) -> tuple[str, int]:
     stop_embedded_prefect_server()
     number = signal.SIGTERM if isinstance(interruption, Terminated) else signal.SIGINT
     return f"interrupted by {number.name}; stopped without publishing a partial model", 128 + number
+
+
+def quiet_from_now_on() -> None:
+    """Nothing more from Prefect's loggers and log shipping in this process, which is about to exit: threads the
+    signal did not stop (a task finishing its group) still log, and Prefect's services report, on stderr, the
+    temporary server they can no longer reach. The command's one line must stay the last one printed."""
+    logging.disable(logging.CRITICAL)
+    logging.raiseExceptions = False  # Prefect's API log handler writes its failures to stderr unless this is off
 
 
 def stop_embedded_prefect_server() -> None:

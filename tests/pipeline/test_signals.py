@@ -116,6 +116,59 @@ def test_sigterm_during_a_promotion_stops_the_temporary_server(demo, tmp_path):
     assert alive(children) == [] and processes_of(home) == []
 
 
+LATE_TASK = """
+import logging, sys, threading, time
+import typer
+from prefect import flow
+from prefect.events import emit_event
+from ckptflow.flows.cli import cli_errors
+from ckptflow.flows.signals import raise_on_sigterm
+
+def slow_group():  # a worker thread the signal does not stop, as a group mid-merge is
+    time.sleep(4)
+    logging.getLogger("prefect.task_runs").warning("group finished after the signal")
+    emit_event("ckptflow.test.late", resource={"prefect.resource.id": "late"})
+
+@flow
+def promotion():
+    threading.Thread(target=slow_group).start()
+    time.sleep(30)  # the flow's own work meanwhile: where the signal lands
+
+@cli_errors
+def command():
+    promotion()
+
+raise_on_sigterm()
+try:
+    command()
+except typer.Exit as done:
+    sys.exit(done.exit_code)
+"""
+
+
+def test_a_thread_still_running_after_sigterm_prints_nothing_after_the_one_line(tmp_path):
+    """The signal unwinds the main thread; a thread it did not stop (in `promote`, a group mid-merge) logs and emits
+    events after the temporary server is gone. Seen in CI after `promote`'s error line: "--- Error logging to API
+    ---", "Service 'EventsWorker' failed with 2 pending items". The command's line stays the last."""
+    script = tmp_path / "late_task.py"
+    script.write_text(LATE_TASK)
+    stderr = tmp_path / "stderr.log"
+    process = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=prefect_env(tmp_path / "prefect-home"),
+                               stdout=open(tmp_path / "stdout.log", "wb"), stderr=open(stderr, "wb"),
+                               preexec_fn=as_in_a_terminal)
+    try:
+        wait_until(lambda: "Beginning flow run" in stderr.read_text(), process, 120, "flow run", poll_s=0.05)
+        time.sleep(0.5)  # the task is sleeping in its thread
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+    finally:
+        process.kill()
+    output = stderr.read_text()
+    assert process.returncode == 143, output[-3000:]
+    assert output.strip().splitlines()[-1].startswith("error: interrupted by SIGTERM"), output[-3000:]
+    assert "after the signal" not in output and "Error logging to API" not in output, output[-3000:]
+
+
 def test_a_temporary_server_that_does_not_start_in_time_is_one_line_naming_the_setting(tmp_path):
     home = tmp_path / "prefect-home"
     checkpoint = tmp_path / "checkpoint"  # never read: the server starts with the flow run, before any task
