@@ -57,14 +57,11 @@ def merge(
     how, where = request.how, request.where
     place = assembly_for(where.target)
     with place.lock():
-        clock = Stopwatch()
         if prepared is None:  # else the caller checked the target before it read the checkpoint (the CLI does)
             place.target.check(where.overwrite, [request.what.checkpoint])
             prepared = prepare(request)
-            clock.lap("prepare")
-        else:
-            clock.lap("prepare")
-            clock.laps["prepare"] = prepared.seconds  # what the caller spent preparing it, not this call's instant
+        clock = Stopwatch()  # the phases from here on; preparing timed itself, here or by the caller
+        clock.laps["prepare"] = prepared.seconds
         try:
             staged = place.stage(prepared, where.overwrite, metadata_bytes(prepared.source))  # the check that counts
             if staged.published:

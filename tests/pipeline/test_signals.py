@@ -158,7 +158,7 @@ def test_a_thread_still_running_after_sigterm_prints_nothing_after_the_one_line(
                                preexec_fn=as_in_a_terminal)
     try:
         wait_until(lambda: "Beginning flow run" in stderr.read_text(), process, 120, "flow run", poll_s=0.05)
-        time.sleep(0.5)  # the task is sleeping in its thread
+        time.sleep(0.5)  # the other thread is asleep, the flow too
         process.send_signal(signal.SIGTERM)
         process.wait(60)
     finally:
